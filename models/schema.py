@@ -1,0 +1,132 @@
+"""Tables of the lease store: leases, runs and the append-only lease event log.
+
+Times are naive UTC. A lease's ``state`` only moves through guarded transitions in
+store.py; ``live_key`` is the sandbox key while the lease is live (provisioning or
+active) and NULL otherwise, so a plain unique index keeps live leases unique per key on
+SQLite and PostgreSQL alike.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import JSON, DateTime, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
+class LeaseState(StrEnum):
+    PROVISIONING = "provisioning"  # intent recorded, provider create may be under way
+    ACTIVE = "active"  # ready and resumable
+    DESTROYING = "destroying"  # a worker claimed the destroy
+    PENDING_CLEANUP = "pending_cleanup"  # must be destroyed (again); not resumable
+    DESTROYED = "destroyed"  # final: every part is gone
+    ABANDONED = "abandoned"  # final: cleanup gave up after the cap; an operator decides
+
+
+LIVE_STATES = frozenset({LeaseState.PROVISIONING, LeaseState.ACTIVE})
+FINAL_STATES = frozenset({LeaseState.DESTROYED, LeaseState.ABANDONED})
+
+
+class RunStatus(StrEnum):
+    RUNNING = "running"
+    INTERRUPTED = "interrupted"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    ABORTED = "aborted"
+
+
+TERMINAL_RUN_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.ABORTED})
+
+
+class ReclaimOutcome(StrEnum):
+    DESTROYED = "destroyed"
+    DESTROY_FAILED = "destroy-failed"
+    NO_SANDBOX_KEY = "no-sandbox-key"
+    NOT_FOUND = "not-found"
+    PROVIDER_MISMATCH = "provider-mismatch"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+    type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime()}
+
+
+class Lease(Base):
+    __tablename__ = "leases"
+
+    lease_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    sandbox_key: Mapped[str] = mapped_column(String(128), index=True)
+    live_key: Mapped[str | None] = mapped_column(String(128), unique=True)
+    provider: Mapped[str] = mapped_column(String(64))
+    provider_lease_id: Mapped[str] = mapped_column(String(253), index=True)
+    backend: Mapped[str | None] = mapped_column(String(64))
+    provider_meta: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    state: Mapped[str] = mapped_column(String(32), index=True)
+    reuse: Mapped[bool] = mapped_column(default=False)
+    tenant: Mapped[str] = mapped_column(String(64))
+    thread_id: Mapped[str | None] = mapped_column(String(128))
+    run_id: Mapped[str | None] = mapped_column(String(128))
+    spec: Mapped[dict[str, Any]] = mapped_column(default=dict)  # redacted: no secret values
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    ready_at: Mapped[datetime | None]
+    acquire_deadline_at: Mapped[datetime]
+    deadline_at: Mapped[datetime]
+    idle_timeout_s: Mapped[int]
+    idle_deadline_at: Mapped[datetime | None]
+    cleanup_attempts: Mapped[int] = mapped_column(default=0)
+    next_cleanup_at: Mapped[datetime | None]
+    end_reason: Mapped[str | None] = mapped_column(String(64))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    version: Mapped[int] = mapped_column(Integer, default=1)
+
+    __table_args__ = (Index("ix_leases_state_next_cleanup", "state", "next_cleanup_at"),)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    thread_id: Mapped[str | None] = mapped_column(String(128), index=True)
+    status: Mapped[str] = mapped_column(String(32), index=True)
+    exit_code: Mapped[int | None]
+    provider: Mapped[str] = mapped_column(String(64))
+    sandbox_key: Mapped[str | None] = mapped_column(String(128))
+    lease_id: Mapped[str | None] = mapped_column(String(64))
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
+    detached_since: Mapped[datetime | None]
+    cancel_requested: Mapped[bool] = mapped_column(default=False)
+    error: Mapped[str | None] = mapped_column(Text)
+    reclaim_due: Mapped[bool] = mapped_column(default=False)
+    reclaim_claimed_until: Mapped[datetime | None]
+    reclaim_outcome: Mapped[str | None] = mapped_column(String(32))
+    reclaimed_at: Mapped[datetime | None]
+
+    __table_args__ = (Index("ix_runs_status_detached", "status", "detached_since"),)
+
+
+class LeaseEvent(Base):
+    __tablename__ = "lease_events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    lease_id: Mapped[str] = mapped_column(ForeignKey("leases.lease_id"), index=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    from_state: Mapped[str | None] = mapped_column(String(32))
+    to_state: Mapped[str] = mapped_column(String(32))
+    reason: Mapped[str] = mapped_column(Text)
+    task_id: Mapped[str | None] = mapped_column(String(64))

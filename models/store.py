@@ -1,0 +1,409 @@
+"""The lease store: every read and every guarded state change of leases and runs.
+
+Each public method is one short transaction. A state change is decided first, then
+written with ``UPDATE ... WHERE state = :expected``; the row count says who won, so two
+workers can never both move the same lease. Every lease change appends a LeaseEvent in
+the same transaction. Database failures leave here as StoreUnavailable (transient) or
+StoreError, never as SQLAlchemy exceptions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, or_, select, update
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
+from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.pool import NullPool
+
+from models.schema import (
+    FINAL_STATES,
+    LIVE_STATES,
+    TERMINAL_RUN_STATUSES,
+    Lease,
+    LeaseEvent,
+    LeaseState,
+    Run,
+    RunStatus,
+    utcnow,
+)
+from providers.errors import InvalidRequest, NotFound, StoreError, StoreUnavailable
+
+
+class LiveLeaseExists(StoreError):
+    """Another live lease holds this sandbox key."""
+
+
+class RunChange(StrEnum):
+    CHANGED = "changed"
+    UNCHANGED = "unchanged"  # already in the asked-for state, or moved on: idempotent no-op
+
+
+@dataclass(frozen=True)
+class NewLease:
+    lease_id: str
+    sandbox_key: str
+    provider: str
+    provider_lease_id: str
+    reuse: bool
+    tenant: str
+    thread_id: str | None
+    run_id: str
+    spec: dict[str, Any]
+    acquire_deadline_at: datetime
+    deadline_at: datetime
+    idle_timeout_s: int
+
+
+def make_engine(url: str) -> Engine:
+    if url.startswith("sqlite"):
+        engine = create_engine(
+            url, poolclass=NullPool, connect_args={"timeout": 30, "check_same_thread": False}
+        )
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            dbapi_conn.isolation_level = None  # let BEGIN below be the only transaction
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA synchronous=NORMAL")
+            cur.close()
+
+        @event.listens_for(engine, "begin")
+        def _begin_immediate(conn: Any) -> None:
+            # Take the write lock up front: no deadlocking lock upgrades between workers.
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5,
+                         connect_args=_pg_connect_args(url))
+
+
+def _pg_connect_args(url: str) -> dict[str, Any]:
+    return {"connect_timeout": 5} if url.startswith("postgresql") else {}
+
+
+class Store:
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.engine = make_engine(url)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._skip_locked = self.engine.dialect.name == "postgresql"
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+    @contextlib.contextmanager
+    def tx(self) -> Iterator[Session]:
+        """One transaction; database errors are translated at this boundary."""
+        try:
+            with self._sessions.begin() as session:
+                yield session
+        except IntegrityError:
+            raise
+        except (OperationalError, DBAPIError) as exc:
+            if isinstance(exc, OperationalError) or exc.connection_invalidated:
+                raise StoreUnavailable(
+                    f"the lease store at {self.engine.url.render_as_string(hide_password=True)}"
+                    f" is unavailable ({type(exc.orig).__name__}: {str(exc.orig)[:200]}); "
+                    "the task will retry"
+                ) from None
+            raise StoreError(f"lease store error: {str(exc.orig)[:300]}") from None
+        except SQLAlchemyError as exc:
+            raise StoreError(f"lease store error: {exc!s:.300}") from None
+
+    # -- reads -------------------------------------------------------------------------
+    def get_lease(self, lease_id: str) -> Lease:
+        with self.tx() as s:
+            lease = s.get(Lease, lease_id)
+        if lease is None:
+            raise NotFound(f"no lease {lease_id!r} in the store; check the id")
+        return lease
+
+    def find_lease(self, lease_id: str) -> Lease | None:
+        with self.tx() as s:
+            return s.get(Lease, lease_id)
+
+    def get_run(self, run_id: str) -> Run | None:
+        with self.tx() as s:
+            return s.get(Run, run_id)
+
+    def live_lease_for_key(self, sandbox_key: str) -> Lease | None:
+        with self.tx() as s:
+            return s.scalar(select(Lease).where(Lease.live_key == sandbox_key))
+
+    def tracked_lease_for_key(self, sandbox_key: str) -> Lease | None:
+        """The newest lease for the key that is not final (live, or waiting for cleanup)."""
+        with self.tx() as s:
+            return s.scalar(
+                select(Lease)
+                .where(Lease.sandbox_key == sandbox_key, Lease.state.not_in(FINAL_STATES))
+                .order_by(Lease.created_at.desc())
+                .limit(1)
+            )
+
+    def events(self, lease_id: str) -> list[LeaseEvent]:
+        with self.tx() as s:
+            return list(
+                s.scalars(
+                    select(LeaseEvent).where(LeaseEvent.lease_id == lease_id)
+                    .order_by(LeaseEvent.id)
+                )
+            )
+
+    def leases(self, states: Iterable[str] | None = None) -> list[Lease]:
+        with self.tx() as s:
+            query = select(Lease).order_by(Lease.created_at)
+            if states is not None:
+                query = query.where(Lease.state.in_(list(states)))
+            return list(s.scalars(query))
+
+    def provider_names_with_lease(self, provider: str, names: Sequence[str]) -> set[str]:
+        """Which of these provider names still belong to a lease that is not final."""
+        if not names:
+            return set()
+        with self.tx() as s:
+            return set(
+                s.scalars(
+                    select(Lease.provider_lease_id).where(
+                        Lease.provider == provider,
+                        Lease.provider_lease_id.in_(list(names)),
+                        Lease.state.not_in(FINAL_STATES),
+                    )
+                )
+            )
+
+    # -- runs --------------------------------------------------------------------------
+    def start_run(
+        self, run_id: str, thread_id: str | None, provider: str, sandbox_key: str
+    ) -> Run:
+        """Insert the run if it is new; return the stored row either way (idempotent)."""
+        try:
+            with self.tx() as s:
+                run = s.get(Run, run_id)
+                if run is None:
+                    run = Run(run_id=run_id, thread_id=thread_id, status=RunStatus.RUNNING,
+                              provider=provider, sandbox_key=sandbox_key)
+                    s.add(run)
+                return run
+        except IntegrityError:  # a concurrent insert of the same run won
+            run = self.get_run(run_id)
+            assert run is not None
+            return run
+
+    def bind_run(self, run_id: str, lease_id: str, sandbox_key: str) -> None:
+        with self.tx() as s:
+            s.execute(update(Run).where(Run.run_id == run_id)
+                      .values(lease_id=lease_id, sandbox_key=sandbox_key))
+            s.execute(update(Lease).where(Lease.lease_id == lease_id)
+                      .values(run_id=run_id, updated_at=utcnow()))
+
+    def finish_run(
+        self, run_id: str, status: RunStatus, exit_code: int | None, error: str | None,
+        reclaim_due: bool, claim_until: datetime | None,
+    ) -> RunChange:
+        if status not in TERMINAL_RUN_STATUSES and status != RunStatus.INTERRUPTED:
+            raise InvalidRequest(f"run status {status!r} is not a finishing status")
+        with self.tx() as s:
+            if s.get(Run, run_id) is None:
+                raise NotFound(f"no run {run_id!r}; acquire a lease for it first")
+            values: dict[str, Any] = {"status": status, "exit_code": exit_code, "error": error}
+            if status in TERMINAL_RUN_STATUSES:
+                values |= {"finished_at": utcnow(), "reclaim_due": reclaim_due,
+                           "reclaim_claimed_until": claim_until}
+            result = s.execute(
+                update(Run).where(Run.run_id == run_id,
+                                  Run.status.in_([RunStatus.RUNNING, RunStatus.INTERRUPTED]))
+                .values(**values)
+            )
+            return RunChange.CHANGED if result.rowcount == 1 else RunChange.UNCHANGED
+
+    def set_detached(self, run_id: str, detached: bool) -> RunChange:
+        with self.tx() as s:
+            if s.get(Run, run_id) is None:
+                raise NotFound(f"no run {run_id!r}")
+            result = s.execute(
+                update(Run).where(Run.run_id == run_id, Run.status == RunStatus.RUNNING)
+                .values(detached_since=utcnow() if detached else None)
+            )
+            return RunChange.CHANGED if result.rowcount == 1 else RunChange.UNCHANGED
+
+    def record_reclaim(self, run_id: str, outcome: str) -> None:
+        with self.tx() as s:
+            s.execute(update(Run).where(Run.run_id == run_id)
+                      .values(reclaim_outcome=outcome, reclaimed_at=utcnow(),
+                              reclaim_claimed_until=None))
+
+    # -- leases ------------------------------------------------------------------------
+    def create_intent(self, new: NewLease, task_id: str | None) -> Lease:
+        """Record the lease, with the provider name it will use, before anything exists."""
+        now = utcnow()
+        lease = Lease(
+            lease_id=new.lease_id, sandbox_key=new.sandbox_key, live_key=new.sandbox_key,
+            provider=new.provider, provider_lease_id=new.provider_lease_id, backend=None,
+            provider_meta={}, state=LeaseState.PROVISIONING, reuse=new.reuse,
+            tenant=new.tenant, thread_id=new.thread_id, run_id=new.run_id, spec=new.spec,
+            created_at=now, updated_at=now, acquire_deadline_at=new.acquire_deadline_at,
+            deadline_at=new.deadline_at, idle_timeout_s=new.idle_timeout_s,
+        )
+        try:
+            with self.tx() as s:
+                s.add(lease)
+                s.flush()
+                s.add(LeaseEvent(lease_id=new.lease_id, from_state=None,
+                                 to_state=LeaseState.PROVISIONING,
+                                 reason=f"intent recorded for run {new.run_id}", task_id=task_id))
+                s.execute(update(Run).where(Run.run_id == new.run_id)
+                          .values(lease_id=new.lease_id, sandbox_key=new.sandbox_key))
+        except IntegrityError:
+            raise LiveLeaseExists(
+                f"sandbox key {new.sandbox_key!r} already has a live lease"
+            ) from None
+        return lease
+
+    def transition(
+        self,
+        lease_id: str,
+        expected: Iterable[str],
+        to: LeaseState,
+        reason: str,
+        task_id: str | None = None,
+        **values: Any,
+    ) -> Lease | None:
+        """Move a lease from one of ``expected`` to ``to``; None if another worker won."""
+        expected = frozenset(expected)
+        with self.tx() as s:
+            query = select(Lease).where(Lease.lease_id == lease_id)
+            if self._skip_locked:
+                query = query.with_for_update()
+            lease = s.scalar(query)
+            if lease is None:
+                raise NotFound(f"no lease {lease_id!r} in the store")
+            if lease.state not in expected:
+                return None
+            result = s.execute(
+                update(Lease)
+                .where(Lease.lease_id == lease_id, Lease.state == lease.state,
+                       Lease.version == lease.version)
+                .values(state=to, updated_at=utcnow(), version=Lease.version + 1,
+                        live_key=lease.sandbox_key if to in LIVE_STATES else None, **values)
+            )
+            if result.rowcount != 1:
+                return None
+            s.add(LeaseEvent(lease_id=lease_id, from_state=lease.state, to_state=to,
+                             reason=reason[:2000], task_id=task_id))
+        return self.get_lease(lease_id)
+
+    def touch(self, lease_id: str) -> Lease | None:
+        """Record activity: move the idle deadline of an active lease."""
+        with self.tx() as s:
+            lease = s.get(Lease, lease_id)
+            if lease is None:
+                raise NotFound(f"no lease {lease_id!r} in the store")
+            if lease.state != LeaseState.ACTIVE:
+                return None
+            now = utcnow()
+            s.execute(update(Lease).where(Lease.lease_id == lease_id,
+                                          Lease.state == LeaseState.ACTIVE)
+                      .values(idle_deadline_at=now + timedelta(seconds=lease.idle_timeout_s),
+                              updated_at=now))
+        return self.get_lease(lease_id)
+
+    # -- sweep claims ------------------------------------------------------------------
+    def _locked(self, query: Any) -> Any:
+        return query.with_for_update(skip_locked=True) if self._skip_locked else query
+
+    def claim_cleanups(self, now: datetime, limit: int, claim_s: float) -> list[str]:
+        """Claim due pending_cleanup leases (oldest first) for one destroy attempt each."""
+        until = now + timedelta(seconds=claim_s)
+        claimed: list[str] = []
+        with self.tx() as s:
+            rows = s.execute(self._locked(
+                select(Lease.lease_id, Lease.next_cleanup_at)
+                .where(Lease.state == LeaseState.PENDING_CLEANUP,
+                       or_(Lease.next_cleanup_at.is_(None), Lease.next_cleanup_at <= now))
+                .order_by(Lease.next_cleanup_at, Lease.created_at).limit(limit)
+            )).all()
+            for lease_id, due in rows:
+                guard = (Lease.next_cleanup_at.is_(None) if due is None
+                         else Lease.next_cleanup_at == due)
+                result = s.execute(update(Lease).where(
+                    Lease.lease_id == lease_id, Lease.state == LeaseState.PENDING_CLEANUP, guard
+                ).values(next_cleanup_at=until))
+                if result.rowcount == 1:
+                    claimed.append(lease_id)
+        return claimed
+
+    def stale_destroys(self, now: datetime, limit: int, claim_s: float) -> list[str]:
+        """Leases left in destroying by a worker that died (older than the claim)."""
+        cutoff = now - timedelta(seconds=claim_s)
+        with self.tx() as s:
+            return list(s.scalars(
+                select(Lease.lease_id).where(Lease.state == LeaseState.DESTROYING,
+                                             Lease.updated_at <= cutoff)
+                .order_by(Lease.updated_at).limit(limit)
+            ))
+
+    def due_expiries(self, now: datetime, limit: int) -> list[tuple[str, str]]:
+        """Active leases past their absolute or idle deadline, with which one passed."""
+        with self.tx() as s:
+            rows = s.execute(
+                select(Lease.lease_id, Lease.deadline_at)
+                .where(Lease.state == LeaseState.ACTIVE,
+                       or_(Lease.deadline_at <= now, Lease.idle_deadline_at <= now))
+                .order_by(Lease.updated_at).limit(limit)
+            ).all()
+        return [(lid, "expired" if deadline <= now else "idle") for lid, deadline in rows]
+
+    def claim_detached_runs(self, cutoff: datetime, limit: int, claim_s: float) -> list[str]:
+        """Abort running runs detached at or before ``cutoff`` (inclusive), claimed for reclaim.
+
+        The detached check is repeated in the UPDATE: a viewer that came back (detached
+        cleared) before the claim keeps its run.
+        """
+        now = utcnow()
+        claimed: list[str] = []
+        with self.tx() as s:
+            ids = list(s.scalars(self._locked(
+                select(Run.run_id).where(Run.status == RunStatus.RUNNING,
+                                         Run.detached_since.is_not(None),
+                                         Run.detached_since <= cutoff)
+                .order_by(Run.detached_since).limit(limit)
+            )))
+            for run_id in ids:
+                result = s.execute(update(Run).where(
+                    Run.run_id == run_id, Run.status == RunStatus.RUNNING,
+                    Run.detached_since.is_not(None), Run.detached_since <= cutoff,
+                ).values(status=RunStatus.ABORTED, finished_at=now, cancel_requested=True,
+                         error="detached past its TTL", reclaim_due=True,
+                         reclaim_claimed_until=now + timedelta(seconds=claim_s)))
+                if result.rowcount == 1:
+                    claimed.append(run_id)
+        return claimed
+
+    def claim_unreclaimed_runs(self, now: datetime, limit: int, claim_s: float) -> list[str]:
+        """Terminal runs whose reclaim is due and not claimed by a live attempt."""
+        claimed: list[str] = []
+        with self.tx() as s:
+            ids = list(s.scalars(self._locked(
+                select(Run.run_id).where(
+                    Run.status.in_(list(TERMINAL_RUN_STATUSES)), Run.reclaim_due.is_(True),
+                    Run.reclaim_outcome.is_(None),
+                    or_(Run.reclaim_claimed_until.is_(None), Run.reclaim_claimed_until <= now),
+                ).order_by(Run.finished_at).limit(limit)
+            )))
+            for run_id in ids:
+                result = s.execute(update(Run).where(
+                    Run.run_id == run_id, Run.reclaim_outcome.is_(None),
+                    or_(Run.reclaim_claimed_until.is_(None), Run.reclaim_claimed_until <= now),
+                ).values(reclaim_claimed_until=now + timedelta(seconds=claim_s)))
+                if result.rowcount == 1:
+                    claimed.append(run_id)
+        return claimed

@@ -1,0 +1,1 @@
+"""Provider adapters: the contract (base.py), the registry, and each adapter."""

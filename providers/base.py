@@ -1,0 +1,104 @@
+"""The provider contract every adapter implements, and the values that cross it.
+
+A provider creates what a lease needs under a name the store recorded first, reports
+whether it can be resumed (expected states never raise), destroys it idempotently
+(not-found is success, every part attempted, every failure reported), and lists what it
+manages so orphan sweeps can find what the store lost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
+
+from providers.spec import SandboxSpec
+
+Meta = dict[str, Any]
+
+
+class ResumeOutcome(StrEnum):
+    RESUMABLE = "resumable"
+    NOT_RESUMABLE = "not_resumable"
+
+
+class DestroyOutcome(StrEnum):
+    DESTROYED = "destroyed"
+    ALREADY_GONE = "already_gone"
+
+
+class AcquireOutcome(StrEnum):
+    CREATED = "created"
+    ADOPTED = "adopted"
+
+
+@dataclass(frozen=True)
+class AcquireRequest:
+    lease_id: str
+    name: str
+    spec: SandboxSpec
+    labels: dict[str, str]
+    timeout_s: float
+
+
+@dataclass(frozen=True)
+class Acquired:
+    outcome: AcquireOutcome
+    backend: str
+    meta: Meta
+
+
+@dataclass(frozen=True)
+class LeaseHandle:
+    """Everything a provider needs to find a lease's resources again."""
+
+    name: str
+    backend: str
+    meta: Meta = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ResumeResult:
+    outcome: ResumeOutcome
+    reason: str = ""
+    details: Meta = field(default_factory=dict)
+
+    @classmethod
+    def resumable(cls, **details: Any) -> ResumeResult:
+        return cls(ResumeOutcome.RESUMABLE, "", details)
+
+    @classmethod
+    def not_resumable(cls, reason: str) -> ResumeResult:
+        return cls(ResumeOutcome.NOT_RESUMABLE, reason)
+
+
+@dataclass(frozen=True)
+class ManagedResource:
+    """A resource carrying this installation's label, as the provider sees it."""
+
+    name: str
+    backend: str
+    lease_id: str | None
+    created_at: datetime | None
+    meta: Meta = field(default_factory=dict)
+
+
+@runtime_checkable
+class Provider(Protocol):
+    name: str
+
+    def lease_name(self, lease_id: str) -> str:
+        """The deterministic, DNS-1123 safe name of the lease's main resource."""
+
+    def acquire(self, request: AcquireRequest) -> Acquired:
+        """Create (or adopt, if ours) the lease's resources and wait until ready."""
+
+    def resume_check(self, handle: LeaseHandle, timeout_s: float) -> ResumeResult:
+        """Is the lease alive and usable? Raises only for unexpected provider errors."""
+
+    def destroy(self, handle: LeaseHandle) -> DestroyOutcome:
+        """Delete every part; not-found is success; raises DestroyIncomplete on failures."""
+
+    def list_managed(self) -> list[ManagedResource]:
+        """Every resource labelled with this installation."""

@@ -1,0 +1,130 @@
+"""The one exception tree of leasekeeper, and which of its errors are worth a retry.
+
+    LeasekeeperError
+     ├── ConfigError                settings or provider registry are wrong; fix and restart
+     ├── InvalidRequest             a payload or name is malformed; the caller must fix it
+     ├── NotFound                   a lease or run id the store does not know
+     ├── StoreError
+     │    └── StoreUnavailable      the database went away or is locked (transient)
+     └── ProviderError              raised only at a provider boundary
+          ├── TransientProviderError   429, 5xx, timeouts, dropped connections (retry)
+          ├── TerminalProviderError    400/401/403/422, bad specs (fail now)
+          │    └── ProviderConflict    a resource with our name exists and is not ours
+          ├── DestroyIncomplete        some parts of a destroy failed; carries each failure
+          ├── AcquireCleanupIncomplete acquire failed and so did the cleanup after it
+          └── SandboxReclaimFailedError reclaim's destroy failed; the lease waits for a retry
+
+Every message says what was wrong and what to do; none carries a secret value.
+Which errors a task retries is data: see ``TRANSIENT_ERRORS`` below, read by tasks/policy.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class LeasekeeperError(Exception):
+    """Root of every error leasekeeper raises on purpose."""
+
+
+class ConfigError(LeasekeeperError):
+    """Settings or the provider registry are invalid."""
+
+
+class InvalidRequest(LeasekeeperError):
+    """A payload, id or name is malformed. Never retried."""
+
+
+class NotFound(LeasekeeperError):
+    """The store has no row for the id given."""
+
+
+class StoreError(LeasekeeperError):
+    """The lease store failed."""
+
+
+class StoreUnavailable(StoreError):
+    """The database is unreachable, restarting or locked; retrying later may succeed."""
+
+
+class ProviderError(LeasekeeperError):
+    """A provider could not do what was asked."""
+
+
+class TransientProviderError(ProviderError):
+    """The provider failed in a way that a later retry may fix."""
+
+
+class TerminalProviderError(ProviderError):
+    """The provider refused; retrying the same request will fail the same way."""
+
+
+class ProviderConflict(TerminalProviderError):
+    """A resource with this lease's name exists but belongs to someone else."""
+
+
+@dataclass(frozen=True)
+class PartFailure:
+    """One part of a destroy (workload, pod, secret, process, workspace) that failed."""
+
+    part: str
+    error: ProviderError
+
+    def describe(self) -> str:
+        return f"{self.part}: {self.error}"
+
+
+class DestroyIncomplete(ProviderError):
+    """Some parts of a destroy failed; every part was still attempted."""
+
+    def __init__(self, name: str, failures: list[PartFailure]) -> None:
+        self.name = name
+        self.failures = failures
+        detail = "; ".join(f.describe() for f in failures)
+        super().__init__(
+            f"destroy of {name} left {len(failures)} part(s) behind ({detail}); "
+            "the lease stays pending_cleanup and sweep.retry_cleanup will try again"
+        )
+
+    @property
+    def transient(self) -> bool:
+        return all(is_transient(f.error) for f in self.failures)
+
+
+class AcquireCleanupIncomplete(ProviderError):
+    """Acquisition failed after something was created, and destroying it failed too."""
+
+    def __init__(self, lease_id: str, cause: BaseException, cleanup: BaseException) -> None:
+        self.lease_id = lease_id
+        super().__init__(
+            f"acquisition of lease {lease_id} failed and cleanup was incomplete: "
+            f"acquire: {cause}; cleanup: {cleanup}. The lease is pending_cleanup and "
+            "sweep.retry_cleanup will destroy what is left"
+        )
+
+
+class SandboxReclaimFailedError(ProviderError):
+    """reclaim's destroy failed. The lease is no longer resumable but stays reachable."""
+
+    def __init__(self, run_id: str, sandbox_key: str, lease_id: str, cause: str) -> None:
+        self.run_id = run_id
+        self.sandbox_key = sandbox_key
+        self.lease_id = lease_id
+        super().__init__(
+            f'reclaiming the sandbox for run "{run_id}" failed: the provider destroy of lease '
+            f"{lease_id} (sandbox key {sandbox_key}) failed ({cause}). The lease is "
+            "pending_cleanup, no longer resumable, and sweep.retry_cleanup will retry it"
+        )
+
+
+# Read by the retry policy: these (and DestroyIncomplete whose parts are all transient)
+# are retried with backoff; everything else fails at once with its reason.
+TRANSIENT_ERRORS: frozenset[type[BaseException]] = frozenset(
+    {TransientProviderError, StoreUnavailable}
+)
+
+
+def is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, DestroyIncomplete):
+        return exc.transient
+    return any(isinstance(exc, kind) for kind in TRANSIENT_ERRORS)

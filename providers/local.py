@@ -1,0 +1,322 @@
+"""The ``local`` provider: a sandbox is a process group on this machine.
+
+Each lease gets ``<root>/<name>/``: ``lease.json`` (who owns it, pid, process start time),
+``work/`` (the sandbox's working directory), ``output.log`` and, when the command ends by
+itself, ``exit_code`` (the exit sentinel). The process is started through ``setsid`` so it
+leads its own process group and outlives the worker that started it; the recorded start
+time guards against pid reuse. Destroy sends SIGTERM to the group, waits on a pidfd up to
+a grace period, then SIGKILL, then removes the directory. A per-lease ``flock`` makes
+acquire and destroy safe against a redelivered task running beside the original.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import select
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from providers.base import (
+    Acquired,
+    AcquireOutcome,
+    AcquireRequest,
+    DestroyOutcome,
+    LeaseHandle,
+    ManagedResource,
+    ResumeResult,
+)
+from providers.errors import (
+    DestroyIncomplete,
+    PartFailure,
+    ProviderConflict,
+    ProviderError,
+    TerminalProviderError,
+    TransientProviderError,
+)
+
+IDLE_COMMAND = ["sh", "-c", "while :; do sleep 3600; done"]
+# The sandbox leader: runs the command, then writes the exit sentinel.
+_WRAPPER = 'cd work && "$@"; echo $? > ../exit_code.tmp && mv ../exit_code.tmp ../exit_code'
+_LAUNCH = 'setsid sh -c "$0" lk-sandbox "$@" </dev/null >>output.log 2>&1 & echo $!'
+
+
+@dataclass(frozen=True)
+class ProcessIdentity:
+    pid: int
+    start_ticks: int
+
+
+def _start_ticks(pid: int) -> int | None:
+    """Process start time in clock ticks since boot, or None if it is gone or a zombie."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # comm may contain spaces and ')' : split after the last ')'.
+    fields = raw[raw.rindex(")") + 2 :].split()
+    if fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])
+
+
+def _alive(ident: ProcessIdentity) -> bool:
+    return _start_ticks(ident.pid) == ident.start_ticks
+
+
+@contextlib.contextmanager
+def _translate(part: str) -> Iterator[None]:
+    """Map OS errors to the provider exception tree (the one boundary for this adapter)."""
+    try:
+        yield
+    except ProviderError:
+        raise
+    except PermissionError as exc:
+        raise TerminalProviderError(
+            f"local {part}: permission denied ({exc.filename or ''}); check that the worker "
+            "user owns LEASEKEEPER_LOCAL_ROOT_DIR"
+        ) from None
+    except FileNotFoundError as exc:
+        raise TerminalProviderError(
+            f"local {part}: {exc.strerror}: {exc.filename or ''}; is the command installed?"
+        ) from None
+    except OSError as exc:
+        kind = TransientProviderError if exc.errno in _TRANSIENT_ERRNOS else TerminalProviderError
+        raise kind(f"local {part}: {exc.strerror or exc}") from None
+
+
+_TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EBUSY,
+                               errno.ENOSPC, errno.EINTR})
+
+
+class LocalProvider:
+    name = "local"
+    backend = "process"
+
+    def __init__(self, root: Path, installation_id: str, destroy_grace_s: float = 5.0) -> None:
+        self.root = root
+        self.installation_id = installation_id
+        self.destroy_grace_s = destroy_grace_s
+
+    # -- naming and files -------------------------------------------------------------
+    def lease_name(self, lease_id: str) -> str:
+        return f"lk-{lease_id}"
+
+    def _dir(self, name: str) -> Path:
+        if "/" in name or name.startswith("."):
+            raise TerminalProviderError(f"local: invalid lease name {name!r}")
+        return self.root / name
+
+    @contextlib.contextmanager
+    def _locked(self, name: str) -> Iterator[None]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        lock_path = self.root / f".{name}.lock"
+        with open(lock_path, "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    @staticmethod
+    def _read_record(path: Path) -> dict[str, Any] | None:
+        try:
+            data = json.loads((path / "lease.json").read_text())
+        except FileNotFoundError:
+            return None
+        except (json.JSONDecodeError, OSError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    @staticmethod
+    def _write_record(path: Path, record: dict[str, Any]) -> None:
+        tmp = path / "lease.json.tmp"
+        tmp.write_text(json.dumps(record))
+        os.replace(tmp, path / "lease.json")
+
+    @staticmethod
+    def _identity(record: dict[str, Any]) -> ProcessIdentity | None:
+        pid, ticks = record.get("pid"), record.get("start_ticks")
+        if isinstance(pid, int) and isinstance(ticks, int):
+            return ProcessIdentity(pid, ticks)
+        return None
+
+    # -- contract -----------------------------------------------------------------------
+    def acquire(self, request: AcquireRequest) -> Acquired:
+        with _translate("acquire"), self._locked(request.name):
+            path = self._dir(request.name)
+            record = self._read_record(path)
+            if record is not None and record.get("lease_id") not in (None, request.lease_id):
+                raise ProviderConflict(
+                    f"local: {path} belongs to lease {record.get('lease_id')!r}, "
+                    f"not {request.lease_id!r}; refusing to adopt it"
+                )
+            ident = self._identity(record or {})
+            if ident is not None and _alive(ident):
+                return Acquired(AcquireOutcome.ADOPTED, self.backend, self._meta(path, ident))
+            if ident is not None:  # a previous attempt started a process that died: clear it
+                self._kill_group(ident)
+            (path / "work").mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                (path / "exit_code").unlink()
+            base = {
+                "lease_id": request.lease_id,
+                "name": request.name,
+                "installation": self.installation_id,
+                "labels": request.labels,
+                "created_at": datetime.now(UTC).isoformat(),
+            }
+            self._write_record(path, base)  # the workspace is findable before a process exists
+            ident = self._spawn(path, request)
+            self._write_record(path, {**base, "pid": ident.pid, "start_ticks": ident.start_ticks})
+            return Acquired(AcquireOutcome.CREATED, self.backend, self._meta(path, ident))
+
+    def _spawn(self, path: Path, request: AcquireRequest) -> ProcessIdentity:
+        command = list(request.spec.command or IDLE_COMMAND)
+        env = {
+            "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+            "HOME": str(path / "work"),
+            "LEASEKEEPER_LEASE_ID": request.lease_id,
+            **request.spec.env,
+            **request.spec.secret_values(),
+        }
+        launcher = subprocess.run(
+            ["sh", "-c", _LAUNCH, _WRAPPER, *command],
+            cwd=path, env=env, capture_output=True, text=True, timeout=30, check=False,
+        )
+        if launcher.returncode != 0 or not launcher.stdout.strip().isdigit():
+            raise TerminalProviderError(
+                f"local: could not start the sandbox process (exit {launcher.returncode}); "
+                "see output.log in the lease directory"
+            )
+        pid = int(launcher.stdout.strip())
+        # A command that already ended is still a sandbox: its exit sentinel tells the
+        # outcome. Start time 0 never matches a live process, so nothing is ever killed.
+        return ProcessIdentity(pid, _start_ticks(pid) or 0)
+
+    def _meta(self, path: Path, ident: ProcessIdentity) -> dict[str, Any]:
+        return {"pid": ident.pid, "start_ticks": ident.start_ticks, "workspace": str(path)}
+
+    def resume_check(self, handle: LeaseHandle, timeout_s: float) -> ResumeResult:
+        with _translate("resume check"):
+            path = self._dir(handle.name)
+            record = self._read_record(path)
+            if record is None:
+                return ResumeResult.not_resumable("workspace no longer exists")
+            ident = self._identity(record)
+            if ident is None:
+                return ResumeResult.not_resumable("sandbox process was never started")
+            ticks = _start_ticks(ident.pid)
+            if ticks is None:
+                code = self.exit_code(handle)
+                suffix = f" with exit code {code}" if code is not None else ""
+                return ResumeResult.not_resumable(f"process {ident.pid} exited{suffix}")
+            if ticks != ident.start_ticks:
+                return ResumeResult.not_resumable(
+                    f"process {ident.pid} exited and its pid was reused"
+                )
+            return ResumeResult.resumable(pid=ident.pid, workspace=str(path / "work"))
+
+    def exit_code(self, handle: LeaseHandle) -> int | None:
+        """The exit sentinel: the command's exit code, or None while unknown."""
+        try:
+            return int((self._dir(handle.name) / "exit_code").read_text().strip())
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def destroy(self, handle: LeaseHandle) -> DestroyOutcome:
+        failures: list[PartFailure] = []
+        with self._locked(handle.name):
+            path = self._dir(handle.name)
+            record = self._read_record(path)
+            if record is None:
+                return DestroyOutcome.ALREADY_GONE
+            ident = self._identity(record)
+            if ident is not None:
+                try:
+                    with _translate("destroy process"):
+                        self._kill_group(ident)
+                except ProviderError as exc:
+                    failures.append(PartFailure("process", exc))
+            try:
+                with _translate("destroy workspace"):
+                    shutil.rmtree(path)
+            except ProviderError as exc:
+                failures.append(PartFailure("workspace", exc))
+        if failures:
+            raise DestroyIncomplete(handle.name, failures)
+        with contextlib.suppress(FileNotFoundError):
+            (self.root / f".{handle.name}.lock").unlink()
+        return DestroyOutcome.DESTROYED
+
+    def _kill_group(self, ident: ProcessIdentity) -> None:
+        if not _alive(ident):
+            return
+        try:
+            pidfd: int | None = os.pidfd_open(ident.pid)
+        except ProcessLookupError:
+            return
+        try:
+            if not _alive(ident):  # the pid may have been reused between check and open
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(ident.pid, signal.SIGTERM)
+            if not self._wait_exit(pidfd, self.destroy_grace_s):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(ident.pid, signal.SIGKILL)
+                if not self._wait_exit(pidfd, 10.0):
+                    raise TransientProviderError(
+                        f"local: process {ident.pid} survived SIGKILL for 10 s"
+                    )
+            # Members that outlived their leader still hold the group id: finish them.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(ident.pid, signal.SIGKILL)
+        finally:
+            if pidfd is not None:
+                os.close(pidfd)
+
+    @staticmethod
+    def _wait_exit(pidfd: int, timeout_s: float) -> bool:
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if poller.poll(left * 1000):
+                return True
+        return False
+
+    def list_managed(self) -> list[ManagedResource]:
+        if not self.root.is_dir():
+            return []
+        found: list[ManagedResource] = []
+        for path in sorted(self.root.iterdir()):
+            if not path.is_dir() or not path.name.startswith("lk-"):
+                continue
+            record = self._read_record(path)
+            if record is None or record.get("installation", self.installation_id) != (
+                self.installation_id
+            ):
+                continue
+            created = record.get("created_at")
+            ident = self._identity(record)
+            found.append(
+                ManagedResource(
+                    name=path.name,
+                    backend=self.backend,
+                    lease_id=record.get("lease_id"),
+                    created_at=datetime.fromisoformat(created) if created else None,
+                    meta={"pid": ident.pid if ident else None,
+                          "alive": bool(ident and _alive(ident))},
+                )
+            )
+        return found

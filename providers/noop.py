@@ -1,0 +1,32 @@
+"""The ``noop`` provider: creates nothing, answers at once. For benchmarks of bookkeeping."""
+
+from __future__ import annotations
+
+from providers.base import (
+    Acquired,
+    AcquireOutcome,
+    AcquireRequest,
+    DestroyOutcome,
+    LeaseHandle,
+    ManagedResource,
+    ResumeResult,
+)
+
+
+class NoopProvider:
+    name = "noop"
+
+    def lease_name(self, lease_id: str) -> str:
+        return f"lk-{lease_id}"
+
+    def acquire(self, request: AcquireRequest) -> Acquired:
+        return Acquired(AcquireOutcome.CREATED, "none", {})
+
+    def resume_check(self, handle: LeaseHandle, timeout_s: float) -> ResumeResult:
+        return ResumeResult.resumable()
+
+    def destroy(self, handle: LeaseHandle) -> DestroyOutcome:
+        return DestroyOutcome.DESTROYED
+
+    def list_managed(self) -> list[ManagedResource]:
+        return []

@@ -1,0 +1,130 @@
+"""Typed settings for every leasekeeper process, read from ``LEASEKEEPER_*`` variables.
+
+Units live in the names (``_s`` seconds). Invalid values fail at start-up with a message
+naming the variable, see :func:`load_settings`.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from providers.errors import ConfigError
+
+ENV_PREFIX = "LEASEKEEPER_"
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?$")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    # Services. broker_url unset means "embedded": `leasekeeper up` starts a Redis itself.
+    broker_url: str | None = None
+    result_backend_url: str | None = None
+    store_url: str | None = None
+    var_dir: Path = Path(".var")
+
+    # Providers.
+    provider: str = "local"
+    providers: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["local"])
+    installation_id: str = "default"
+    local_root_dir: Path | None = None
+    local_destroy_grace_s: float = Field(default=5.0, gt=0)
+    faults_file: Path | None = None  # the `faulty` provider's fault plan (tests only)
+
+    # Lease lifetimes.
+    lease_ttl_s: int = Field(default=3600, gt=0)
+    lease_idle_timeout_s: int = Field(default=900, gt=0)
+    acquire_timeout_s: float = Field(default=120.0, gt=0)
+    resume_timeout_s: float = Field(default=30.0, gt=0)
+    run_detach_ttl_s: int = Field(default=1800, ge=0)
+
+    # Sweeps (beat intervals and bounded batches).
+    reap_runs_interval_s: float = Field(default=60.0, gt=0)
+    expire_leases_interval_s: float = Field(default=60.0, gt=0)
+    retry_cleanup_interval_s: float = Field(default=60.0, gt=0)
+    sweep_batch_size: int = Field(default=25, gt=0, le=1000)
+    cleanup_batch_size: int = Field(default=20, gt=0, le=1000)
+    cleanup_backoff_s: float = Field(default=300.0, ge=0)
+    cleanup_max_attempts: int = Field(default=5, gt=0)
+    claim_timeout_s: float = Field(default=300.0, gt=0)
+
+    # Task retry policy (exponential backoff with full jitter, capped).
+    task_max_retries: int = Field(default=5, ge=0)
+    retry_backoff_base_s: float = Field(default=2.0, gt=0)
+    retry_backoff_max_s: float = Field(default=300.0, gt=0)
+    task_soft_time_limit_s: float = Field(default=600.0, gt=0)
+    task_time_limit_s: float = Field(default=900.0, gt=0)
+    visibility_timeout_s: float = Field(default=3600.0, gt=0)
+
+    @field_validator("providers", mode="before")
+    @classmethod
+    def _split_providers(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [p.strip() for p in value.split(",") if p.strip()]
+        return value
+
+    @field_validator("installation_id")
+    @classmethod
+    def _dns_safe_installation(cls, value: str) -> str:
+        if not _DNS_LABEL.match(value):
+            raise ValueError(
+                "must be 1-42 lowercase letters, digits or '-', starting and ending "
+                "alphanumeric (it becomes a Kubernetes label value)"
+            )
+        return value
+
+    @model_validator(mode="after")
+    def _limits_are_ordered(self) -> Settings:
+        if self.provider not in self.providers:
+            raise ValueError(
+                f"LEASEKEEPER_PROVIDER={self.provider!r} is not among "
+                f"LEASEKEEPER_PROVIDERS={','.join(self.providers)!r}; add it there"
+            )
+        if not self.task_soft_time_limit_s < self.task_time_limit_s < self.visibility_timeout_s:
+            raise ValueError(
+                "need LEASEKEEPER_TASK_SOFT_TIME_LIMIT_S < LEASEKEEPER_TASK_TIME_LIMIT_S < "
+                "LEASEKEEPER_VISIBILITY_TIMEOUT_S, or Redis redelivers tasks still running"
+            )
+        return self
+
+    @property
+    def effective_store_url(self) -> str:
+        if self.store_url:
+            return self.store_url
+        return f"sqlite:///{(self.var_dir / 'leasekeeper.db').resolve()}"
+
+    @property
+    def effective_local_root(self) -> Path:
+        return (self.local_root_dir or self.var_dir / "sandboxes").resolve()
+
+    def require_broker_url(self) -> str:
+        if not self.broker_url:
+            raise ConfigError(
+                "LEASEKEEPER_BROKER_URL is not set: point it at Redis "
+                "(redis://127.0.0.1:6379/0), or run `leasekeeper up`, which starts one"
+            )
+        return self.broker_url
+
+
+def load_settings() -> Settings:
+    """Read settings from the environment; raise ConfigError naming each bad variable."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            field = "_".join(str(p) for p in err["loc"]) if err["loc"] else ""
+            name = f"{ENV_PREFIX}{field.upper()}" if field else "settings"
+            problems.append(f"{name}: {err['msg']}")
+        raise ConfigError("invalid settings: " + "; ".join(problems)) from None
+
+
+@functools.cache
+def get_settings() -> Settings:
+    return load_settings()
