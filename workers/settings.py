@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -36,6 +36,22 @@ class Settings(BaseSettings):
     local_root_dir: Path | None = None
     local_destroy_grace_s: float = Field(default=5.0, gt=0)
     faults_file: Path | None = None  # the `faulty` provider's fault plan (tests only)
+
+    # Kubernetes provider (providers/kubernetes). No kube_config_path: in-cluster config,
+    # falling back to $KUBECONFIG / ~/.kube/config.
+    kube_config_path: Path | None = None
+    kube_context: str | None = None
+    kube_namespace: str = "leasekeeper"
+    kube_backend: Literal["sandbox-cr", "job"] = "sandbox-cr"
+    kube_sandbox_api_version: Literal["v1alpha1", "v1beta1"] = "v1alpha1"
+    kube_default_image: str = "busybox:1.36"
+    kube_cpu_request: str = "250m"
+    kube_memory_request: str = "512Mi"
+    kube_cpu_limit: str = "2"
+    kube_memory_limit: str = "4Gi"
+    kube_job_active_deadline_s: int = Field(default=3600, gt=0)
+    kube_job_ttl_after_finished_s: int = Field(default=900, ge=0)
+    kube_request_timeout_s: float = Field(default=10.0, gt=0)
 
     # Lease lifetimes.
     lease_ttl_s: int = Field(default=3600, gt=0)

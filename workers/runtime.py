@@ -1,0 +1,95 @@
+"""What a worker process works with: settings, the store and the enabled providers.
+
+Built lazily on first use in each process (never at import) and rebuilt after a fork, so
+prefork children do not share database connections. Tests inject their own with
+``set_runtime``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from models.store import Store
+from providers.base import Provider
+from providers.errors import ConfigError, InvalidRequest
+from providers.faulty import FaultPlan, FaultyProvider
+from providers.local import LocalProvider
+from providers.noop import NoopProvider
+from workers.settings import Settings, get_settings
+
+
+def _local(settings: Settings) -> Provider:
+    return LocalProvider(settings.effective_local_root, settings.installation_id,
+                         settings.local_destroy_grace_s)
+
+
+def _faulty(settings: Settings) -> Provider:
+    if settings.faults_file is None:
+        raise ConfigError("the faulty provider needs LEASEKEEPER_FAULTS_FILE (tests only)")
+    inner = LocalProvider(settings.effective_local_root / "faulty", settings.installation_id,
+                          settings.local_destroy_grace_s)
+    return FaultyProvider(inner, FaultPlan(settings.faults_file))
+
+
+def _kubernetes(settings: Settings) -> Provider:
+    from providers.kubernetes.provider import build_kubernetes_provider
+
+    return build_kubernetes_provider(settings)
+
+
+PROVIDER_FACTORIES: dict[str, Callable[[Settings], Provider]] = {
+    "local": _local,
+    "noop": lambda _settings: NoopProvider(),
+    "faulty": _faulty,
+    "kubernetes": _kubernetes,
+}
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    store: Store
+    _providers: dict[str, Provider] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def provider(self, name: str) -> Provider:
+        if name not in self.settings.providers:
+            raise InvalidRequest(
+                f"unknown provider {name!r}: this installation enables "
+                f"{', '.join(self.settings.providers)} (LEASEKEEPER_PROVIDERS)"
+            )
+        with self._lock:
+            if name not in self._providers:
+                factory = PROVIDER_FACTORIES.get(name)
+                if factory is None:
+                    raise ConfigError(
+                        f"LEASEKEEPER_PROVIDERS names {name!r}, which leasekeeper does not "
+                        f"have; known: {', '.join(sorted(PROVIDER_FACTORIES))}"
+                    )
+                self._providers[name] = factory(self.settings)
+            return self._providers[name]
+
+    def put_provider(self, provider: Provider) -> None:
+        """Use this provider instance for its name (tests, benchmarks)."""
+        self._providers[provider.name] = provider
+
+
+_runtime: Runtime | None = None
+_runtime_pid: int | None = None
+
+
+def get_runtime() -> Runtime:
+    global _runtime, _runtime_pid  # noqa: PLW0603 - one runtime per process by design
+    if _runtime is None or _runtime_pid != os.getpid():
+        settings = get_settings()
+        _runtime = Runtime(settings=settings, store=Store(settings.effective_store_url))
+        _runtime_pid = os.getpid()
+    return _runtime
+
+
+def set_runtime(runtime: Runtime | None) -> None:
+    global _runtime, _runtime_pid  # noqa: PLW0603
+    _runtime, _runtime_pid = runtime, os.getpid() if runtime else None
