@@ -62,7 +62,7 @@ class ReclaimOutcome(StrEnum):
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
-    type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime()}
+    type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime()}  # noqa: RUF012
 
 
 class Lease(Base):

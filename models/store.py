@@ -14,9 +14,9 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
-from typing import Any
+from typing import Any, cast
 
-from sqlalchemy import Engine, create_engine, event, or_, select, update
+from sqlalchemy import CursorResult, Engine, create_engine, event, or_, select, update
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import NullPool
@@ -33,6 +33,10 @@ from models.schema import (
     utcnow,
 )
 from providers.errors import InvalidRequest, NotFound, StoreError, StoreUnavailable
+
+
+def _rowcount(result: Any) -> int:
+    return int(cast(CursorResult[Any], result).rowcount)
 
 
 class LiveLeaseExists(StoreError):
@@ -223,7 +227,7 @@ class Store:
                                   Run.status.in_([RunStatus.RUNNING, RunStatus.INTERRUPTED]))
                 .values(**values)
             )
-            return RunChange.CHANGED if result.rowcount == 1 else RunChange.UNCHANGED
+            return RunChange.CHANGED if _rowcount(result) == 1 else RunChange.UNCHANGED
 
     def set_detached(self, run_id: str, detached: bool) -> RunChange:
         with self.tx() as s:
@@ -233,7 +237,7 @@ class Store:
                 update(Run).where(Run.run_id == run_id, Run.status == RunStatus.RUNNING)
                 .values(detached_since=utcnow() if detached else None)
             )
-            return RunChange.CHANGED if result.rowcount == 1 else RunChange.UNCHANGED
+            return RunChange.CHANGED if _rowcount(result) == 1 else RunChange.UNCHANGED
 
     def record_reclaim(self, run_id: str, outcome: str) -> None:
         with self.tx() as s:
@@ -295,7 +299,7 @@ class Store:
                 .values(state=to, updated_at=utcnow(), version=Lease.version + 1,
                         live_key=lease.sandbox_key if to in LIVE_STATES else None, **values)
             )
-            if result.rowcount != 1:
+            if _rowcount(result) != 1:
                 return None
             s.add(LeaseEvent(lease_id=lease_id, from_state=lease.state, to_state=to,
                              reason=reason[:2000], task_id=task_id))
@@ -337,7 +341,7 @@ class Store:
                 result = s.execute(update(Lease).where(
                     Lease.lease_id == lease_id, Lease.state == LeaseState.PENDING_CLEANUP, guard
                 ).values(next_cleanup_at=until))
-                if result.rowcount == 1:
+                if _rowcount(result) == 1:
                     claimed.append(lease_id)
         return claimed
 
@@ -384,7 +388,7 @@ class Store:
                 ).values(status=RunStatus.ABORTED, finished_at=now, cancel_requested=True,
                          error="detached past its TTL", reclaim_due=True,
                          reclaim_claimed_until=now + timedelta(seconds=claim_s)))
-                if result.rowcount == 1:
+                if _rowcount(result) == 1:
                     claimed.append(run_id)
         return claimed
 
@@ -404,6 +408,6 @@ class Store:
                     Run.run_id == run_id, Run.reclaim_outcome.is_(None),
                     or_(Run.reclaim_claimed_until.is_(None), Run.reclaim_claimed_until <= now),
                 ).values(reclaim_claimed_until=now + timedelta(seconds=claim_s)))
-                if result.rowcount == 1:
+                if _rowcount(result) == 1:
                     claimed.append(run_id)
         return claimed

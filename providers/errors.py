@@ -14,13 +14,15 @@
           ├── AcquireCleanupIncomplete acquire failed and so did the cleanup after it
           └── SandboxReclaimFailedError reclaim's destroy failed; the lease waits for a retry
 
-Every message says what was wrong and what to do; none carries a secret value.
+Every message says what was wrong and what to do; none carries a secret value. Each class
+is constructible from its message alone, so Celery's result backend can rebuild it.
 Which errors a task retries is data: see ``TRANSIENT_ERRORS`` below, read by tasks/policy.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Self
 
 
 class LeasekeeperError(Exception):
@@ -77,26 +79,30 @@ class PartFailure:
 class DestroyIncomplete(ProviderError):
     """Some parts of a destroy failed; every part was still attempted."""
 
-    def __init__(self, name: str, failures: list[PartFailure]) -> None:
-        self.name = name
+    def __init__(self, message: str, *, failures: tuple[PartFailure, ...] = ()) -> None:
+        super().__init__(message)
         self.failures = failures
+
+    @classmethod
+    def of(cls, name: str, failures: list[PartFailure]) -> DestroyIncomplete:
         detail = "; ".join(f.describe() for f in failures)
-        super().__init__(
+        return cls(
             f"destroy of {name} left {len(failures)} part(s) behind ({detail}); "
-            "the lease stays pending_cleanup and sweep.retry_cleanup will try again"
+            "the lease stays pending_cleanup and sweep.retry_cleanup will try again",
+            failures=tuple(failures),
         )
 
     @property
     def transient(self) -> bool:
-        return all(is_transient(f.error) for f in self.failures)
+        return bool(self.failures) and all(is_transient(f.error) for f in self.failures)
 
 
 class AcquireCleanupIncomplete(ProviderError):
     """Acquisition failed after something was created, and destroying it failed too."""
 
-    def __init__(self, lease_id: str, cause: BaseException, cleanup: BaseException) -> None:
-        self.lease_id = lease_id
-        super().__init__(
+    @classmethod
+    def of(cls, lease_id: str, cause: BaseException, cleanup: BaseException) -> Self:
+        return cls(
             f"acquisition of lease {lease_id} failed and cleanup was incomplete: "
             f"acquire: {cause}; cleanup: {cleanup}. The lease is pending_cleanup and "
             "sweep.retry_cleanup will destroy what is left"
@@ -106,11 +112,9 @@ class AcquireCleanupIncomplete(ProviderError):
 class SandboxReclaimFailedError(ProviderError):
     """reclaim's destroy failed. The lease is no longer resumable but stays reachable."""
 
-    def __init__(self, run_id: str, sandbox_key: str, lease_id: str, cause: str) -> None:
-        self.run_id = run_id
-        self.sandbox_key = sandbox_key
-        self.lease_id = lease_id
-        super().__init__(
+    @classmethod
+    def of(cls, run_id: str, sandbox_key: str, lease_id: str, cause: str) -> Self:
+        return cls(
             f'reclaiming the sandbox for run "{run_id}" failed: the provider destroy of lease '
             f"{lease_id} (sandbox key {sandbox_key}) failed ({cause}). The lease is "
             "pending_cleanup, no longer resumable, and sweep.retry_cleanup will retry it"

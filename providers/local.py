@@ -254,7 +254,7 @@ class LocalProvider:
             except ProviderError as exc:
                 failures.append(PartFailure("workspace", exc))
         if failures:
-            raise DestroyIncomplete(handle.name, failures)
+            raise DestroyIncomplete.of(handle.name, failures)
         with contextlib.suppress(FileNotFoundError):
             (self.root / f".{handle.name}.lock").unlink()
         return DestroyOutcome.DESTROYED
@@ -263,7 +263,7 @@ class LocalProvider:
         if not _alive(ident):
             return
         try:
-            pidfd: int | None = os.pidfd_open(ident.pid)
+            pidfd = os.pidfd_open(ident.pid)
         except ProcessLookupError:
             return
         try:
@@ -282,8 +282,7 @@ class LocalProvider:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(ident.pid, signal.SIGKILL)
         finally:
-            if pidfd is not None:
-                os.close(pidfd)
+            os.close(pidfd)
 
     @staticmethod
     def _wait_exit(pidfd: int, timeout_s: float) -> bool:

@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import redis
+
 from models.store import Store
 from providers.base import Provider
 from providers.errors import ConfigError, InvalidRequest
@@ -37,7 +39,8 @@ def _faulty(settings: Settings) -> Provider:
 def _kubernetes(settings: Settings) -> Provider:
     from providers.kubernetes.provider import build_kubernetes_provider
 
-    return build_kubernetes_provider(settings)
+    provider: Provider = build_kubernetes_provider(settings)
+    return provider
 
 
 PROVIDER_FACTORIES: dict[str, Callable[[Settings], Provider]] = {
@@ -54,6 +57,7 @@ class Runtime:
     store: Store
     _providers: dict[str, Provider] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _redis: redis.Redis[bytes] | None = None
 
     def provider(self, name: str) -> Provider:
         if name not in self.settings.providers:
@@ -72,6 +76,15 @@ class Runtime:
                 self._providers[name] = factory(self.settings)
             return self._providers[name]
 
+    def redis(self) -> redis.Redis[bytes]:
+        """The broker's Redis, for sweep locks (created on first use)."""
+        with self._lock:
+            if self._redis is None:
+                self._redis = redis.Redis.from_url(
+                    self.settings.effective_broker_url, socket_timeout=5,
+                    socket_connect_timeout=5)
+            return self._redis
+
     def put_provider(self, provider: Provider) -> None:
         """Use this provider instance for its name (tests, benchmarks)."""
         self._providers[provider.name] = provider
@@ -82,7 +95,7 @@ _runtime_pid: int | None = None
 
 
 def get_runtime() -> Runtime:
-    global _runtime, _runtime_pid  # noqa: PLW0603 - one runtime per process by design
+    global _runtime, _runtime_pid
     if _runtime is None or _runtime_pid != os.getpid():
         settings = get_settings()
         _runtime = Runtime(settings=settings, store=Store(settings.effective_store_url))
@@ -91,5 +104,5 @@ def get_runtime() -> Runtime:
 
 
 def set_runtime(runtime: Runtime | None) -> None:
-    global _runtime, _runtime_pid  # noqa: PLW0603
+    global _runtime, _runtime_pid
     _runtime, _runtime_pid = runtime, os.getpid() if runtime else None

@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from providers.errors import ConfigError
 
 ENV_PREFIX = "LEASEKEEPER_"
+DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?$")
 
 
@@ -108,6 +109,10 @@ class Settings(BaseSettings):
                 "LEASEKEEPER_VISIBILITY_TIMEOUT_S, or Redis redelivers tasks still running"
             )
         return self
+
+    @property
+    def effective_broker_url(self) -> str:
+        return self.broker_url or DEFAULT_BROKER_URL
 
     @property
     def effective_store_url(self) -> str:

@@ -1,0 +1,5 @@
+"""Lifecycle tasks (one module per task family), the sweeps and the producer API.
+
+lease.acquire → acquire.py, lease.resume_check → resume.py, lease.destroy → destroy.py,
+sandbox.reclaim → reclaim.py, run.* and lease.touch → runs.py, sweep.* → sweeps.py.
+"""

@@ -1,0 +1,228 @@
+"""``lease.acquire``: give a run a sandbox, never losing track of what was created.
+
+Order, each step one guarded transaction:
+1. the run row (idempotent); a redelivered task continues with the lease the run has;
+2. with ``reuse``, the thread's live lease is resume-checked and bound, or destroyed;
+3. the lease *intent* (state provisioning, with the provider name it will use) is written
+   before the provider creates anything, so a crash at any later point leaves a row;
+4. the provider creates or adopts the resources and waits until ready;
+5. provisioning → active. A failure after step 3 destroys what exists before the task
+   gives up; if that destroy fails too, the lease is left pending_cleanup, never forgotten.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from models.schema import LeaseState, RunStatus, utcnow
+from models.store import LiveLeaseExists, NewLease
+from providers.base import AcquireOutcome, AcquireRequest, Provider, ResumeOutcome
+from providers.errors import (
+    AcquireCleanupIncomplete,
+    InvalidRequest,
+    ProviderError,
+    TransientProviderError,
+    is_transient,
+)
+from providers.spec import SandboxSpec, check_id
+from tasks.base import LeaseTask
+from tasks.destroy import destroy_lease
+from tasks.leases import handle, later, new_lease_id, sandbox_key
+from workers.app import app
+from workers.runtime import Runtime
+
+log = logging.getLogger("leasekeeper.acquire")
+
+
+class AcquireResult(StrEnum):
+    ACQUIRED = "acquired"  # created fresh
+    ADOPTED = "adopted"  # an earlier attempt had created it; taken over
+    REUSED = "reused"  # the thread's live sandbox, resume-checked and bound
+    ALREADY_ACQUIRED = "already_acquired"  # a redelivery: the run already has it
+
+
+@dataclass(frozen=True)
+class Acquisition:
+    result: AcquireResult
+    run_id: str
+    lease_id: str
+    provider: str
+    provider_lease_id: str
+    backend: str | None
+    sandbox_key: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"result": self.result, "run_id": self.run_id, "lease_id": self.lease_id,
+                "provider": self.provider, "provider_lease_id": self.provider_lease_id,
+                "backend": self.backend, "sandbox_key": self.sandbox_key, "state": "active"}
+
+
+def labels_for(rt: Runtime, lease_id: str, run_id: str, spec: SandboxSpec) -> dict[str, str]:
+    return {**spec.labels, "leasekeeper.dev/installation": rt.settings.installation_id,
+            "leasekeeper.dev/lease-id": lease_id, "leasekeeper.dev/tenant": spec.tenant,
+            "leasekeeper.dev/run-id": run_id[:63]}
+
+
+def acquire_lease(
+    rt: Runtime, run_id: str, spec: SandboxSpec, task_id: str | None, may_retry: bool
+) -> Acquisition:
+    store = rt.store
+    provider_name = spec.provider or rt.settings.provider
+    provider = rt.provider(provider_name)
+    key = sandbox_key(spec, provider_name, run_id)
+    run = store.start_run(run_id, spec.thread_id, provider_name, key)
+    if run.status != RunStatus.RUNNING:
+        raise InvalidRequest(f"run {run_id} is {run.status}; start a new run to get a sandbox")
+
+    if run.lease_id is not None:  # redelivered, or retried after a transient failure
+        lease = store.get_lease(run.lease_id)
+        if lease.state == LeaseState.ACTIVE:
+            return _acquisition(AcquireResult.ALREADY_ACQUIRED, run_id, lease)
+        if lease.state == LeaseState.PROVISIONING:
+            return _provision(rt, provider, lease.lease_id, run_id, spec, task_id, may_retry)
+        if lease.run_id == run_id:
+            raise InvalidRequest(
+                f"run {run_id}'s lease {lease.lease_id} already ended ({lease.state}: "
+                f"{lease.last_error or lease.end_reason}); start a new run"
+            )
+
+    if spec.reuse:
+        reused = _try_reuse(rt, provider, key, run_id, task_id)
+        if reused is not None:
+            return reused
+
+    lease_id = new_lease_id()
+    ttl_s = spec.ttl_s or rt.settings.lease_ttl_s
+    try:
+        store.create_intent(NewLease(
+            lease_id=lease_id, sandbox_key=key, provider=provider_name,
+            provider_lease_id=provider.lease_name(lease_id), reuse=spec.reuse,
+            tenant=spec.tenant, thread_id=spec.thread_id, run_id=run_id, spec=spec.redacted(),
+            acquire_deadline_at=later(rt.settings.acquire_timeout_s),
+            deadline_at=later(ttl_s),
+            idle_timeout_s=spec.idle_timeout_s or rt.settings.lease_idle_timeout_s,
+        ), task_id)
+    except LiveLeaseExists:
+        if spec.reuse:  # another run of the thread is acquiring it right now: retry, then reuse
+            raise TransientProviderError(
+                f"sandbox key {key} is being provisioned by another run; retrying"
+            ) from None
+        raise InvalidRequest(
+            f"sandbox key {key} already has a live lease; pass reuse=true to share it, "
+            "or another sandbox_key"
+        ) from None
+    return _provision(rt, provider, lease_id, run_id, spec, task_id, may_retry)
+
+
+def _try_reuse(
+    rt: Runtime, provider: Provider, key: str, run_id: str, task_id: str | None
+) -> Acquisition | None:
+    live = rt.store.live_lease_for_key(key)
+    if live is None:
+        return None
+    if live.state == LeaseState.PROVISIONING:
+        raise TransientProviderError(f"sandbox key {key} is still provisioning; retrying")
+    check = provider.resume_check(handle(live), rt.settings.resume_timeout_s)
+    if check.outcome == ResumeOutcome.RESUMABLE:
+        rt.store.bind_run(run_id, live.lease_id, key)
+        rt.store.touch(live.lease_id)
+        return _acquisition(AcquireResult.REUSED, run_id, live)
+    # Not resumable (pods cannot be restarted in place): clean it up, then acquire fresh.
+    marked = rt.store.transition(live.lease_id, {LeaseState.ACTIVE}, LeaseState.PENDING_CLEANUP,
+                                 f"not resumable: {check.reason}", task_id,
+                                 end_reason="not_resumable", next_cleanup_at=utcnow())
+    if marked is not None:
+        destroy_lease(rt, live.lease_id, "not resumable at reuse", task_id)
+    return None
+
+
+def _provision(
+    rt: Runtime, provider: Provider, lease_id: str, run_id: str, spec: SandboxSpec,
+    task_id: str | None, may_retry: bool,
+) -> Acquisition:
+    store = rt.store
+    lease = store.get_lease(lease_id)
+    request = AcquireRequest(lease_id=lease_id, name=lease.provider_lease_id, spec=spec,
+                             labels=labels_for(rt, lease_id, run_id, spec),
+                             timeout_s=rt.settings.acquire_timeout_s)
+    try:
+        acquired = provider.acquire(request)
+    except ProviderError as exc:
+        if is_transient(exc) and may_retry:
+            raise  # the lease stays provisioning; the retry adopts what exists
+        _cleanup_failed(rt, lease_id, exc, task_id)
+        raise
+    now = utcnow()
+    active = store.transition(
+        lease_id, {LeaseState.PROVISIONING}, LeaseState.ACTIVE,
+        f"ready ({acquired.outcome})", task_id, backend=acquired.backend,
+        provider_meta=acquired.meta, ready_at=now,
+        idle_deadline_at=later(lease.idle_timeout_s),
+    )
+    if active is None:
+        # A sweep or destroy took the lease while we provisioned: do not leave what we made.
+        current = store.get_lease(lease_id)
+        if current.state != LeaseState.DESTROYING:
+            store.transition(lease_id, {LeaseState.DESTROYED, LeaseState.ABANDONED},
+                             LeaseState.PENDING_CLEANUP, "resources created after the lease "
+                             "ended; destroying them", task_id, next_cleanup_at=utcnow(),
+                             backend=acquired.backend, provider_meta=acquired.meta)
+            destroy_lease(rt, lease_id, "created after the lease ended", task_id)
+        raise InvalidRequest(
+            f"lease {lease_id} was ended ({current.state}) while it was being provisioned"
+        )
+    result = (AcquireResult.ADOPTED if acquired.outcome == AcquireOutcome.ADOPTED
+              else AcquireResult.ACQUIRED)
+    log.info("lease %s %s for run %s (%s %s)", lease_id, result, run_id, active.provider,
+             active.provider_lease_id)
+    return _acquisition(result, run_id, active)
+
+
+def _cleanup_failed(rt: Runtime, lease_id: str, cause: ProviderError, task_id: str | None) -> None:
+    """Destroy whatever a failed acquire left; record pending_cleanup if that fails too."""
+    rt.store.transition(lease_id, {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP,
+                        f"acquire failed: {cause}", task_id, end_reason="acquire_failed",
+                        last_error=str(cause), next_cleanup_at=utcnow())
+    lease = rt.store.get_lease(lease_id)
+    if lease.run_id:
+        rt.store.finish_run(lease.run_id, RunStatus.FAILED, None, f"acquire failed: {cause}",
+                            reclaim_due=False, claim_until=None)
+    done = destroy_lease(rt, lease_id, "acquire failed", task_id)
+    if done.error is not None:
+        raise AcquireCleanupIncomplete.of(lease_id, cause, done.error) from None
+
+
+def _acquisition(result: AcquireResult, run_id: str, lease: Any) -> Acquisition:
+    return Acquisition(result, run_id, lease.lease_id, lease.provider, lease.provider_lease_id,
+                       lease.backend, lease.sandbox_key)
+
+
+def parse_acquire(run_id: object, spec: object) -> tuple[str, SandboxSpec]:
+    """Validate an acquire payload; InvalidRequest names every problem."""
+    try:
+        check_id("run_id", run_id)
+        parsed = spec if isinstance(spec, SandboxSpec) else SandboxSpec.model_validate(spec or {})
+    except ValueError as exc:
+        raise InvalidRequest(f"invalid lease.acquire payload: {_safe(exc)}") from None
+    assert isinstance(run_id, str)
+    return run_id, parsed
+
+
+def _safe(exc: ValueError) -> str:
+    """A validation message without input values (they may be secrets)."""
+    errors = getattr(exc, "errors", None)
+    if callable(errors):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}"
+                         for e in errors(include_input=False))
+    return str(exc)
+
+
+@app.task(bind=True, base=LeaseTask, name="lease.acquire")
+def acquire(self: LeaseTask, run_id: str, spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    run_id, parsed = parse_acquire(run_id, spec)
+    with self.retrying():
+        done = acquire_lease(self.runtime, run_id, parsed, self.request.id, self.may_retry)
+    return done.as_dict()

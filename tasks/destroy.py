@@ -1,0 +1,105 @@
+"""``lease.destroy``: the forced cleanup path, idempotent, never forgetting a failure.
+
+The lease is claimed (live or pending_cleanup → destroying) in one guarded transaction,
+then the provider destroys every part. Success → destroyed. Failure → pending_cleanup with
+the attempt counted and the next attempt scheduled (backoff), or abandoned once the
+attempt cap is reached; either way the lease stays in the store, reachable, and the task
+fails loudly so Flower shows it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from models.schema import FINAL_STATES, LIVE_STATES, LeaseState
+from providers.errors import ProviderError, is_transient
+from tasks.base import LeaseTask
+from tasks.leases import handle, later
+from workers.app import app
+from workers.runtime import Runtime
+
+log = logging.getLogger("leasekeeper.destroy")
+DESTROYABLE = LIVE_STATES | {LeaseState.PENDING_CLEANUP}
+
+
+class DestroyResult(StrEnum):
+    DESTROYED = "destroyed"
+    ALREADY_ENDED = "already_ended"  # destroyed or abandoned before this call
+    IN_PROGRESS = "in_progress"  # another worker holds the destroy claim
+    CLEANUP_PENDING = "cleanup_pending"  # failed; sweep.retry_cleanup will try again
+    ABANDONED = "abandoned"  # failed for the last allowed time
+
+
+@dataclass(frozen=True)
+class Destroyed:
+    lease_id: str
+    result: DestroyResult
+    state: str
+    error: ProviderError | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"lease_id": self.lease_id, "result": self.result, "state": self.state}
+
+
+def cleanup_delay_s(rt: Runtime, attempts: int) -> float:
+    """Backoff before cleanup attempt ``attempts + 1``: doubling, capped at an hour."""
+    return float(min(rt.settings.cleanup_backoff_s * 2 ** max(attempts - 1, 0), 3600.0))
+
+
+def destroy_lease(rt: Runtime, lease_id: str, reason: str, task_id: str | None) -> Destroyed:
+    store = rt.store
+    lease = store.get_lease(lease_id)
+    if lease.state in FINAL_STATES:
+        return Destroyed(lease_id, DestroyResult.ALREADY_ENDED, lease.state)
+    claimed = store.transition(lease_id, DESTROYABLE, LeaseState.DESTROYING,
+                               f"destroy: {reason}", task_id)
+    if claimed is None:
+        current = store.get_lease(lease_id)
+        if current.state in FINAL_STATES:
+            return Destroyed(lease_id, DestroyResult.ALREADY_ENDED, current.state)
+        return Destroyed(lease_id, DestroyResult.IN_PROGRESS, current.state)
+    provider = rt.provider(claimed.provider)
+    try:
+        outcome = provider.destroy(handle(claimed))
+    except ProviderError as exc:
+        return _record_failure(rt, claimed.lease_id, claimed.cleanup_attempts + 1, exc, task_id)
+    end_reason = claimed.end_reason or reason
+    store.transition(lease_id, {LeaseState.DESTROYING}, LeaseState.DESTROYED,
+                     f"destroyed ({outcome}): {reason}", task_id, end_reason=end_reason[:64],
+                     next_cleanup_at=None)
+    return Destroyed(lease_id, DestroyResult.DESTROYED, LeaseState.DESTROYED)
+
+
+def _record_failure(
+    rt: Runtime, lease_id: str, attempts: int, exc: ProviderError, task_id: str | None
+) -> Destroyed:
+    cap = rt.settings.cleanup_max_attempts
+    if attempts >= cap:
+        rt.store.transition(
+            lease_id, {LeaseState.DESTROYING}, LeaseState.ABANDONED,
+            f"destroy failed {attempts} times (cap {cap}); left for an operator: {exc}",
+            task_id, cleanup_attempts=attempts, last_error=str(exc), next_cleanup_at=None,
+        )
+        log.error("lease %s abandoned after %d failed destroys; run `leasekeeper leases "
+                  "retry %s` once the provider is fixed: %s", lease_id, attempts, lease_id, exc)
+        return Destroyed(lease_id, DestroyResult.ABANDONED, LeaseState.ABANDONED, exc)
+    delay_s = 0.0 if is_transient(exc) and attempts == 1 else cleanup_delay_s(rt, attempts)
+    rt.store.transition(
+        lease_id, {LeaseState.DESTROYING}, LeaseState.PENDING_CLEANUP,
+        f"destroy attempt {attempts} failed, next in {delay_s:.0f}s: {exc}", task_id,
+        cleanup_attempts=attempts, last_error=str(exc), next_cleanup_at=later(delay_s),
+    )
+    log.warning("lease %s destroy attempt %d failed: %s", lease_id, attempts, exc)
+    return Destroyed(lease_id, DestroyResult.CLEANUP_PENDING, LeaseState.PENDING_CLEANUP, exc)
+
+
+@app.task(bind=True, base=LeaseTask, name="lease.destroy")
+def destroy(self: LeaseTask, lease_id: str, reason: str = "requested") -> dict[str, Any]:
+    with self.retrying():
+        done = destroy_lease(self.runtime, lease_id, reason, self.request.id)
+    if done.error is not None:
+        raise done.error  # loud in Flower; the lease itself waits for sweep.retry_cleanup
+    return done.as_dict()

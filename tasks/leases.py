@@ -1,0 +1,35 @@
+"""Small helpers over a lease row shared by the lifecycle tasks."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from datetime import datetime, timedelta
+
+from models.schema import Lease, utcnow
+from providers.base import LeaseHandle
+from providers.spec import SandboxSpec
+
+
+def new_lease_id() -> str:
+    """Time-ordered and DNS-safe: 12 hex digits of milliseconds, then 20 random."""
+    millis = int(datetime.now().timestamp() * 1000)
+    return f"{millis:012x}{uuid.uuid4().hex[:20]}"
+
+
+def sandbox_key(spec: SandboxSpec, provider: str, run_id: str) -> str:
+    """The spec's key, or a hash of what identifies the sandbox (the run too, unless reused)."""
+    if spec.sandbox_key:
+        return spec.sandbox_key
+    strategy = "reuse" if spec.reuse else f"ephemeral:{run_id}"
+    parts = "|".join([spec.tenant, spec.thread_id or "", provider, spec.backend or "", strategy])
+    return "sk-" + hashlib.sha256(parts.encode()).hexdigest()[:40]
+
+
+def handle(lease: Lease) -> LeaseHandle:
+    return LeaseHandle(name=lease.provider_lease_id, backend=lease.backend or "",
+                       meta=dict(lease.provider_meta or {}))
+
+
+def later(seconds: float) -> datetime:
+    return utcnow() + timedelta(seconds=seconds)

@@ -1,0 +1,64 @@
+"""``lease.resume_check``: can the run continue in its leased sandbox?
+
+Expected states never raise: the answer is resumable (with details) or not resumable
+(with the reason). A lease found not resumable is no longer live: it is marked
+pending_cleanup and ``lease.destroy`` is enqueued, and the caller acquires a fresh one
+(sandboxes such as Kubernetes pods cannot be restarted in place). A resumable answer counts
+as activity and moves the idle deadline.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from models.schema import LeaseState
+from providers.base import ResumeOutcome
+from tasks.base import LeaseTask
+from tasks.destroy import destroy
+from tasks.leases import handle, later
+from workers.app import app
+from workers.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class ResumeCheck:
+    lease_id: str
+    outcome: ResumeOutcome
+    reason: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    destroy_enqueued: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"lease_id": self.lease_id, "outcome": self.outcome, "resumable":
+                self.outcome == ResumeOutcome.RESUMABLE, "reason": self.reason,
+                "details": self.details}
+
+
+def check_lease(rt: Runtime, lease_id: str, task_id: str | None) -> ResumeCheck:
+    lease = rt.store.get_lease(lease_id)
+    if lease.state != LeaseState.ACTIVE:
+        return ResumeCheck(lease_id, ResumeOutcome.NOT_RESUMABLE, f"lease is {lease.state}")
+    provider = rt.provider(lease.provider)
+    result = provider.resume_check(handle(lease), rt.settings.resume_timeout_s)
+    if result.outcome == ResumeOutcome.RESUMABLE:
+        rt.store.touch(lease_id)
+        return ResumeCheck(lease_id, result.outcome, "", result.details)
+    marked = rt.store.transition(
+        lease_id, {LeaseState.ACTIVE}, LeaseState.PENDING_CLEANUP,
+        f"not resumable: {result.reason}", task_id, end_reason="not_resumable",
+        next_cleanup_at=later(rt.settings.claim_timeout_s),
+    )
+    return ResumeCheck(lease_id, result.outcome, result.reason, destroy_enqueued=bool(marked))
+
+
+@app.task(bind=True, base=LeaseTask, name="lease.resume_check")
+def resume_check(self: LeaseTask, lease_id: str) -> dict[str, Any]:
+    with self.retrying():
+        checked = check_lease(self.runtime, lease_id, self.request.id)
+    if checked.destroy_enqueued:
+        # The claim above holds until claim_timeout_s: if this enqueue is lost, the
+        # retry sweep picks the lease up after that.
+        destroy.apply_async(kwargs={"lease_id": lease_id, "reason": "not resumable"})
+    return checked.as_dict()
+

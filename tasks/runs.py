@@ -1,0 +1,87 @@
+"""Run bookkeeping: ``run.finish``, ``run.detach``, ``run.attach`` and ``lease.touch``.
+
+A run that finishes in an ephemeral (non-reused) sandbox is due for reclaim at once:
+``sandbox.reclaim`` is enqueued, and ``sweep.reap_runs`` catches any reclaim that was lost.
+A reused sandbox outlives its runs; the idle and absolute deadlines end it.
+Activity is explicit: ``lease.touch`` and a resumable ``lease.resume_check`` move the idle
+deadline; nothing else does (background traffic inside a sandbox never keeps it alive).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from models.schema import RunStatus
+from models.store import RunChange
+from providers.errors import InvalidRequest
+from providers.spec import check_id
+from tasks.base import LeaseTask
+from tasks.leases import later
+from tasks.reclaim import reclaim
+from workers.app import app
+from workers.runtime import Runtime
+
+FINISH_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.ABORTED,
+                             RunStatus.INTERRUPTED})
+
+
+def parse_finish(run_id: object, status: object, exit_code: object) -> tuple[str, RunStatus]:
+    try:
+        check_id("run_id", run_id)
+    except ValueError as exc:
+        raise InvalidRequest(f"invalid run.finish payload: {exc}") from None
+    if status not in {s.value for s in FINISH_STATUSES}:
+        raise InvalidRequest(
+            f"invalid run.finish payload: status must be one of "
+            f"{', '.join(sorted(s.value for s in FINISH_STATUSES))}; got {status!r:.40}"
+        )
+    if exit_code is not None and (isinstance(exit_code, bool) or not isinstance(exit_code, int)):
+        raise InvalidRequest("invalid run.finish payload: exit_code must be an integer or null")
+    assert isinstance(run_id, str)
+    return run_id, RunStatus(str(status))
+
+
+def finish(
+    rt: Runtime, run_id: str, status: RunStatus, exit_code: int | None, error: str | None
+) -> tuple[RunChange, bool]:
+    """Finish the run; return whether it changed and whether a reclaim is now due."""
+    run = rt.store.get_run(run_id)
+    lease = rt.store.find_lease(run.lease_id) if run and run.lease_id else None
+    reclaim_due = status != RunStatus.INTERRUPTED and not (lease is not None and lease.reuse)
+    change = rt.store.finish_run(run_id, status, exit_code, error, reclaim_due=reclaim_due,
+                                 claim_until=later(rt.settings.claim_timeout_s))
+    return change, reclaim_due and change == RunChange.CHANGED
+
+
+@app.task(bind=True, base=LeaseTask, name="run.finish")
+def finish_run(self: LeaseTask, run_id: str, status: str, exit_code: int | None = None,
+               error: str | None = None) -> dict[str, Any]:
+    run_id, parsed = parse_finish(run_id, status, exit_code)
+    with self.retrying():
+        change, reclaim_now = finish(self.runtime, run_id, parsed, exit_code, error)
+    if reclaim_now:
+        reclaim.apply_async(kwargs={"run_id": run_id})
+    return {"run_id": run_id, "status": parsed, "change": change, "reclaim_enqueued": reclaim_now}
+
+
+@app.task(bind=True, base=LeaseTask, name="run.detach")
+def detach_run(self: LeaseTask, run_id: str) -> dict[str, Any]:
+    with self.retrying():
+        change = self.runtime.store.set_detached(run_id, detached=True)
+    return {"run_id": run_id, "change": change}
+
+
+@app.task(bind=True, base=LeaseTask, name="run.attach")
+def attach_run(self: LeaseTask, run_id: str) -> dict[str, Any]:
+    with self.retrying():
+        change = self.runtime.store.set_detached(run_id, detached=False)
+    return {"run_id": run_id, "change": change}
+
+
+@app.task(bind=True, base=LeaseTask, name="lease.touch")
+def touch_lease(self: LeaseTask, lease_id: str) -> dict[str, Any]:
+    with self.retrying():
+        lease = self.runtime.store.touch(lease_id)
+    return {"lease_id": lease_id, "touched": lease is not None,
+            "idle_deadline_at": lease.idle_deadline_at.isoformat() + "Z"
+            if lease and lease.idle_deadline_at else None}

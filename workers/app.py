@@ -1,0 +1,68 @@
+"""The Celery app (``celery -A workers.app worker|beat|flower``) and its configuration.
+
+Reliability settings: tasks are acknowledged late and requeued when a worker process
+dies, so a killed worker loses nothing (every task is idempotent); time limits stay under
+Redis' visibility timeout so a running task is never delivered twice; events are on so
+Flower shows every lifecycle task.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+from celery.signals import worker_process_init
+
+from workers.beat import beat_schedule
+from workers.settings import Settings, get_settings
+
+TASK_MODULES = ["tasks.acquire", "tasks.resume", "tasks.destroy", "tasks.reclaim",
+                "tasks.runs", "tasks.sweeps"]
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    broker = settings.effective_broker_url
+    transport = {"visibility_timeout": int(settings.visibility_timeout_s)}
+    return {
+        "broker_url": broker,
+        "result_backend": settings.result_backend_url or broker,
+        "broker_transport_options": transport,
+        "result_backend_transport_options": {"retry_policy": {"timeout": 5.0}},
+        "broker_connection_retry_on_startup": True,
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        "result_extended": False,
+        "result_expires": 24 * 3600,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "task_soft_time_limit": settings.task_soft_time_limit_s,
+        "task_time_limit": settings.task_time_limit_s,
+        "task_track_started": True,
+        "task_send_sent_event": True,
+        "worker_send_task_events": True,
+        "worker_hijack_root_logger": False,
+        "beat_schedule": beat_schedule(settings),
+        "timezone": "UTC",
+        "enable_utc": True,
+    }
+
+
+def create_app(settings: Settings | None = None) -> Celery:
+    app = Celery("leasekeeper", include=TASK_MODULES)
+    app.conf.update(celery_config(settings or get_settings()))
+    return app
+
+
+app = create_app()
+
+
+@worker_process_init.connect
+def _fresh_runtime_after_fork(**_: Any) -> None:
+    # A prefork child must not reuse the parent's database connections.
+    from workers.runtime import set_runtime
+
+    set_runtime(None)
