@@ -292,16 +292,18 @@ class Store:
                 raise NotFound(f"no lease {lease_id!r} in the store")
             if lease.state not in expected:
                 return None
+            from_state, sandbox_key, version = lease.state, lease.sandbox_key, lease.version
             result = s.execute(
                 update(Lease)
-                .where(Lease.lease_id == lease_id, Lease.state == lease.state,
-                       Lease.version == lease.version)
+                .where(Lease.lease_id == lease_id, Lease.state == from_state,
+                       Lease.version == version)
                 .values(state=to, updated_at=utcnow(), version=Lease.version + 1,
-                        live_key=lease.sandbox_key if to in LIVE_STATES else None, **values)
+                        live_key=sandbox_key if to in LIVE_STATES else None, **values)
+                .execution_options(synchronize_session=False)
             )
             if _rowcount(result) != 1:
                 return None
-            s.add(LeaseEvent(lease_id=lease_id, from_state=lease.state, to_state=to,
+            s.add(LeaseEvent(lease_id=lease_id, from_state=from_state, to_state=to,
                              reason=reason[:2000], task_id=task_id))
         return self.get_lease(lease_id)
 

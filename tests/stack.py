@@ -1,0 +1,110 @@
+"""A real leasekeeper stack for end-to-end tests: a Celery worker subprocess on the test
+Redis, with its own store (SQLite or PostgreSQL), local sandbox root and fault plan.
+
+The test process talks to it the way a web backend would (the producer API over the
+broker) and reads the same store directly to assert on it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from models.store import Store
+from providers.faulty import FaultPlan
+from workers.app import app
+from workers.runtime import Runtime
+from workers.settings import Settings
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Fast, deterministic policy for tests: few retries, short backoffs, short claims.
+TEST_SETTINGS: dict[str, str] = {
+    "LEASEKEEPER_PROVIDERS": "local,noop,faulty",
+    "LEASEKEEPER_TASK_MAX_RETRIES": "2",
+    "LEASEKEEPER_RETRY_BACKOFF_BASE_S": "0.2",
+    "LEASEKEEPER_RETRY_BACKOFF_MAX_S": "0.5",
+    "LEASEKEEPER_CLEANUP_BACKOFF_S": "0",
+    "LEASEKEEPER_CLEANUP_MAX_ATTEMPTS": "3",
+    "LEASEKEEPER_CLAIM_TIMEOUT_S": "3",
+    "LEASEKEEPER_LOCAL_DESTROY_GRACE_S": "2",
+    "LEASEKEEPER_RUN_DETACH_TTL_S": "1",
+    "LEASEKEEPER_RESUME_TIMEOUT_S": "5",
+    "LEASEKEEPER_ACQUIRE_TIMEOUT_S": "30",
+}
+
+
+@dataclass
+class WorkerStack:
+    name: str
+    store_url: str
+    root: Path
+    broker_url: str
+    procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    node: int = 0
+
+    @property
+    def env(self) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEKEEPER_")}
+        return {**env, **TEST_SETTINGS, "LEASEKEEPER_BROKER_URL": self.broker_url,
+                "LEASEKEEPER_STORE_URL": self.store_url,
+                "LEASEKEEPER_VAR_DIR": str(self.root),
+                "LEASEKEEPER_LOCAL_ROOT_DIR": str(self.root / "sandboxes"),
+                "LEASEKEEPER_FAULTS_FILE": str(self.root / "faults.json"),
+                "PYTHONPATH": str(REPO)}
+
+    def settings(self, **overrides: Any) -> Settings:
+        values = {k.removeprefix("LEASEKEEPER_").lower(): v for k, v in self.env.items()
+                  if k.startswith("LEASEKEEPER_")}
+        return Settings(**{**values, **overrides})
+
+    def runtime(self, **overrides: Any) -> Runtime:
+        return Runtime(settings=self.settings(**overrides), store=Store(self.store_url))
+
+    @property
+    def faults(self) -> FaultPlan:
+        return FaultPlan(self.root / "faults.json")
+
+    @property
+    def logfile(self) -> Path:
+        return self.root / "worker.log"
+
+    def start_worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
+        self.node += 1
+        hostname = f"{self.name}-{self.node}@test"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-P", "prefork",
+             "-c", str(concurrency), "-E", "-n", hostname, "--without-gossip",
+             "--without-mingle", "-l", "info"],
+            cwd=REPO, env=self.env, stdout=open(self.logfile, "ab"), stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"worker exited ({proc.returncode}); see {self.logfile}")
+            if app.control.ping(destination=[hostname], timeout=0.5):
+                return proc
+        raise TimeoutError(f"worker {hostname} did not answer a ping in 60 s")
+
+    def kill_worker(self, proc: subprocess.Popen[bytes]) -> None:
+        """SIGKILL the whole worker (parent and pool children), as a crash would."""
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGTERM)
+                try:
+                    proc.wait(20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait(5)
