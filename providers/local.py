@@ -70,6 +70,22 @@ def _start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
+def _group_members(pgid: int) -> list[int]:
+    """Pids of live (not zombie) processes in the process group."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            raw = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = raw[raw.rindex(")") + 2 :].split()
+        if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
 def _alive(ident: ProcessIdentity) -> bool:
     return _start_ticks(ident.pid) == ident.start_ticks
 
@@ -260,39 +276,48 @@ class LocalProvider:
         return DestroyOutcome.DESTROYED
 
     def _kill_group(self, ident: ProcessIdentity) -> None:
-        if not _alive(ident):
+        """SIGTERM the sandbox's process group, wait for every member, then SIGKILL.
+
+        Members outliving a dead leader are killed too: while any member exists, the
+        kernel never hands the group id out as a new pid, so they are ours.
+        """
+        if not _alive(ident) and not _group_members(ident.pid):
             return
-        try:
-            pidfd = os.pidfd_open(ident.pid)
-        except ProcessLookupError:
+        if self._signal_group(ident.pid, signal.SIGTERM, self.destroy_grace_s):
             return
-        try:
-            if not _alive(ident):  # the pid may have been reused between check and open
-                return
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(ident.pid, signal.SIGTERM)
-            if not self._wait_exit(pidfd, self.destroy_grace_s):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(ident.pid, signal.SIGKILL)
-                if not self._wait_exit(pidfd, 10.0):
-                    raise TransientProviderError(
-                        f"local: process {ident.pid} survived SIGKILL for 10 s"
-                    )
-            # Members that outlived their leader still hold the group id: finish them.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(ident.pid, signal.SIGKILL)
-        finally:
-            os.close(pidfd)
+        if not self._signal_group(ident.pid, signal.SIGKILL, 10.0):
+            raise TransientProviderError(
+                f"local: process group {ident.pid} survived SIGKILL for 10 s"
+            )
 
     @staticmethod
-    def _wait_exit(pidfd: int, timeout_s: float) -> bool:
-        poller = select.poll()
-        poller.register(pidfd, select.POLLIN)
+    def _signal_group(pgid: int, sig: int, timeout_s: float) -> bool:
+        """Signal the group and wait (on pidfds) until no member is left; False on timeout."""
         deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0:
-            if poller.poll(left * 1000):
-                return True
-        return False
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, sig)
+        while members := _group_members(pgid):
+            poller = select.poll()
+            fds = []
+            for pid in members:
+                with contextlib.suppress(ProcessLookupError):
+                    fd = os.pidfd_open(pid)
+                    fds.append(fd)
+                    poller.register(fd, select.POLLIN)
+            try:
+                while fds and (left := deadline - time.monotonic()) > 0:
+                    for fd, _event in poller.poll(left * 1000):
+                        poller.unregister(fd)
+                        fds.remove(fd)
+                        os.close(fd)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            if time.monotonic() >= deadline:
+                return not _group_members(pgid)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, sig)  # members forked while we waited get the signal too
+        return True
 
     def list_managed(self) -> list[ManagedResource]:
         if not self.root.is_dir():

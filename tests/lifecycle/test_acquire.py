@@ -1,0 +1,164 @@
+"""lease.acquire's logic: intent first, idempotent retries, cleanup on failure, reuse."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from models.schema import LeaseState, RunStatus
+from providers.base import ResumeOutcome
+from providers.errors import (
+    AcquireCleanupIncomplete,
+    InvalidRequest,
+    ProviderConflict,
+    TerminalProviderError,
+    TransientProviderError,
+)
+from providers.faulty import FaultPlan
+from providers.spec import SandboxSpec
+from tasks.acquire import AcquireResult, acquire_lease, parse_acquire
+from tasks.leases import handle
+from workers.runtime import Runtime
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_acquire_records_intent_then_activates(rt: Runtime) -> None:
+    done = acquire_lease(rt, "run-1", SandboxSpec(tenant="acme"), "task-1", may_retry=False)
+    assert done.result == AcquireResult.ACQUIRED
+    lease = rt.store.get_lease(done.lease_id)
+    assert lease.state == LeaseState.ACTIVE and lease.ready_at is not None
+    assert lease.idle_deadline_at is not None and lease.deadline_at > lease.created_at
+    assert alive(lease.provider_meta["pid"])
+    events = [(e.from_state, e.to_state) for e in rt.store.events(done.lease_id)]
+    assert events == [(None, "provisioning"), ("provisioning", "active")]
+    run = rt.store.get_run("run-1")
+    assert run.lease_id == done.lease_id and run.status == RunStatus.RUNNING
+
+
+def test_redelivered_acquire_returns_the_same_lease(rt: Runtime) -> None:
+    first = acquire_lease(rt, "run-1", SandboxSpec(), None, may_retry=False)
+    again = acquire_lease(rt, "run-1", SandboxSpec(), None, may_retry=False)
+    assert again.result == AcquireResult.ALREADY_ACQUIRED and again.lease_id == first.lease_id
+    assert len(rt.provider("local").list_managed()) == 1
+
+
+def test_transient_failure_after_create_keeps_intent_and_retry_adopts(
+    rt: Runtime, faults: FaultPlan
+) -> None:
+    faults.write({"acquire": [{"fault": "transient", "when": "after", "times": 1}]})
+    spec = SandboxSpec(provider="faulty")
+    with pytest.raises(TransientProviderError):
+        acquire_lease(rt, "run-1", spec, None, may_retry=True)
+    (lease,) = rt.store.leases()
+    assert lease.state == LeaseState.PROVISIONING  # the row exists before and after the fault
+    assert len(rt.provider("faulty").list_managed()) == 1
+    done = acquire_lease(rt, "run-1", spec, None, may_retry=True)
+    assert done.result == AcquireResult.ADOPTED and done.lease_id == lease.lease_id
+    assert len(rt.provider("faulty").list_managed()) == 1  # adopted, not created twice
+
+
+def test_terminal_failure_after_create_destroys_what_exists(
+    rt: Runtime, faults: FaultPlan
+) -> None:
+    faults.write({"acquire": [{"fault": "terminal", "when": "after", "times": 1}]})
+    with pytest.raises(TerminalProviderError, match="injected terminal"):
+        acquire_lease(rt, "run-1", SandboxSpec(provider="faulty"), None, may_retry=True)
+    (lease,) = rt.store.leases()
+    assert lease.state == LeaseState.DESTROYED and lease.end_reason == "acquire_failed"
+    assert rt.provider("faulty").list_managed() == []
+    assert rt.store.get_run("run-1").status == RunStatus.FAILED
+
+
+def test_transient_failure_out_of_retries_cleans_up(rt: Runtime, faults: FaultPlan) -> None:
+    faults.write({"acquire": [{"fault": "transient", "when": "after", "times": 1}]})
+    with pytest.raises(TransientProviderError):
+        acquire_lease(rt, "run-1", SandboxSpec(provider="faulty"), None, may_retry=False)
+    assert rt.store.leases()[0].state == LeaseState.DESTROYED
+    assert rt.provider("faulty").list_managed() == []
+
+
+def test_failed_cleanup_leaves_pending_cleanup_never_forgotten(
+    rt: Runtime, faults: FaultPlan
+) -> None:
+    faults.write({"acquire": [{"fault": "terminal", "when": "after", "times": 1}],
+                  "destroy": [{"fault": "transient", "times": 1}]})
+    with pytest.raises(AcquireCleanupIncomplete, match="cleanup was incomplete") as err:
+        acquire_lease(rt, "run-1", SandboxSpec(provider="faulty",
+                                               secret_env={"API_TOKEN": "hunter2"}),
+                      None, may_retry=False)
+    assert "hunter2" not in str(err.value)
+    (lease,) = rt.store.leases()
+    assert lease.state == LeaseState.PENDING_CLEANUP and lease.cleanup_attempts == 1
+    assert len(rt.provider("faulty").list_managed()) == 1  # still reachable for the retry
+
+
+def test_conflicting_resource_is_refused_not_adopted(rt: Runtime, faults: FaultPlan) -> None:
+    faults.write({"acquire": [{"fault": "conflict", "when": "before", "times": 1}]})
+    with pytest.raises(ProviderConflict):
+        acquire_lease(rt, "run-1", SandboxSpec(provider="faulty"), None, may_retry=True)
+    assert rt.store.leases()[0].state == LeaseState.DESTROYED
+
+
+def test_reuse_binds_the_live_lease(rt: Runtime) -> None:
+    spec = SandboxSpec(thread_id="th-1", reuse=True)
+    first = acquire_lease(rt, "run-1", spec, None, may_retry=False)
+    second = acquire_lease(rt, "run-2", spec, None, may_retry=False)
+    assert second.result == AcquireResult.REUSED and second.lease_id == first.lease_id
+    assert rt.store.get_lease(first.lease_id).run_id == "run-2"
+    assert rt.store.get_run("run-2").lease_id == first.lease_id
+
+
+def test_reuse_of_a_dead_sandbox_destroys_it_and_acquires_fresh(rt: Runtime) -> None:
+    spec = SandboxSpec(thread_id="th-1", reuse=True)
+    first = acquire_lease(rt, "run-1", spec, None, may_retry=False)
+    os.killpg(rt.store.get_lease(first.lease_id).provider_meta["pid"], signal.SIGKILL)
+    second = acquire_lease(rt, "run-2", spec, None, may_retry=False)
+    assert second.result == AcquireResult.ACQUIRED and second.lease_id != first.lease_id
+    old = rt.store.get_lease(first.lease_id)
+    assert old.state == LeaseState.DESTROYED and old.end_reason == "not_resumable"
+    check = rt.provider("local").resume_check(handle(rt.store.get_lease(second.lease_id)), 1)
+    assert check.outcome == ResumeOutcome.RESUMABLE
+
+
+def test_without_reuse_each_run_gets_its_own_sandbox(rt: Runtime) -> None:
+    spec = SandboxSpec(thread_id="th-1")
+    a = acquire_lease(rt, "run-1", spec, None, may_retry=False)
+    b = acquire_lease(rt, "run-2", spec, None, may_retry=False)
+    assert a.lease_id != b.lease_id and a.sandbox_key != b.sandbox_key
+
+
+def test_explicit_key_clash_without_reuse_is_a_clear_error(rt: Runtime) -> None:
+    acquire_lease(rt, "run-1", SandboxSpec(sandbox_key="shared"), None, may_retry=False)
+    with pytest.raises(InvalidRequest, match="pass reuse=true"):
+        acquire_lease(rt, "run-2", SandboxSpec(sandbox_key="shared"), None, may_retry=False)
+
+
+def test_unknown_provider_is_refused_before_anything_is_written(rt: Runtime) -> None:
+    with pytest.raises(InvalidRequest, match="unknown provider 'nomad'.*LEASEKEEPER_PROVIDERS"):
+        acquire_lease(rt, "run-1", SandboxSpec(provider="nomad"), None, may_retry=False)
+    assert rt.store.leases() == [] and rt.store.get_run("run-1") is None
+
+
+@pytest.mark.parametrize(("run_id", "spec", "message"), [
+    ("", {}, "run_id must be"),
+    ("run 1", {}, "run_id must be"),
+    ("r", {"tenant": "Not_DNS"}, "tenant must be"),
+    ("r", {"env": {"1BAD": "x"}}, "invalid environment variable names"),
+    ("r", {"surprise": 1}, "surprise: Extra inputs are not permitted"),
+    ("r", {"secret_env": {"TOKEN": 12345}}, "secret_env.TOKEN"),
+])
+def test_malformed_payloads_are_clear_and_leak_nothing(run_id: str, spec: dict[str, object],
+                                                       message: str) -> None:
+    with pytest.raises(InvalidRequest, match=message) as err:
+        parse_acquire(run_id, spec)
+    assert "12345" not in str(err.value)
