@@ -1,0 +1,145 @@
+"""The one translation boundary of the Kubernetes provider: ``kube_errors(action)`` turns
+``ApiException``, urllib3 and socket errors into the provider exception tree
+(providers/errors.py). Nothing else in this package catches an ``ApiException``.
+
+    TransientProviderError  429, 408, 5xx, timeouts, refused / dropped connections
+      └── KubeExpired       410 Gone: a watch's resourceVersion is too old (re-list, re-watch)
+    TerminalProviderError   400, 401, 403, 405, 415, 422 and anything else unexpected
+      └── KubeNotFound      404 (provider.py decides whether that is success)
+    ProviderConflict        409 (provider.py adopts on AlreadyExists when the object is ours)
+      └── KubeAlreadyExists
+
+Which statuses are transient is data (``TRANSIENT_STATUSES``). Messages carry the HTTP status,
+the API's reason and message, and what to do; for Secret operations (``sensitive=True``) the
+API's free-text message is left out, so no Secret content can reach a log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import ssl
+from collections.abc import Iterator
+from typing import Any
+
+import urllib3.exceptions
+from kubernetes.client.exceptions import ApiException
+
+from providers.errors import (
+    ProviderConflict,
+    ProviderError,
+    TerminalProviderError,
+    TransientProviderError,
+)
+
+
+class KubeNotFound(TerminalProviderError):
+    """404: the object does not exist. Success for deletes, an answer for reads."""
+
+
+class KubeAlreadyExists(ProviderConflict):
+    """409 AlreadyExists on create: look at the object and adopt it if it is ours."""
+
+
+class KubeExpired(TransientProviderError):
+    """410 Gone / Expired: the watch must restart from a fresh resourceVersion."""
+
+
+TRANSIENT_STATUSES: frozenset[int] = frozenset({408, 429, 500, 502, 503, 504})
+
+_HINTS: dict[int, str] = {
+    400: "the request was malformed; this is a leasekeeper bug or an incompatible API server",
+    401: "the credentials were rejected; check LEASEKEEPER_KUBE_CONFIG_PATH / "
+         "LEASEKEEPER_KUBE_CONTEXT or the ServiceAccount token",
+    403: "the worker's identity lacks RBAC permission for this; grant it in the namespace "
+         "(see deploy/) and retry",
+    404: "the object or its API is not there; for Sandboxes, is the agent-sandbox CRD "
+         "installed and LEASEKEEPER_KUBE_SANDBOX_API_VERSION served?",
+    409: "an object with this name exists and is not this lease's, or changed meanwhile",
+    410: "the watch fell too far behind; it restarts from a fresh read",
+    422: "the API server rejected the manifest; check the sandbox spec (image, command, "
+         "resources, env names) and quotas",
+    429: "the API server is throttling; the task retries with backoff",
+}
+
+
+def _status_body(exc: ApiException) -> dict[str, Any]:
+    body = exc.body
+    if isinstance(body, bytes):
+        body = body.decode("utf-8", "replace")
+    if not body:
+        return {}
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return {}
+    return parsed if isinstance(parsed, dict) else {}
+
+
+def describe_api_exception(action: str, exc: ApiException, *, sensitive: bool) -> str:
+    status = int(exc.status or 0)
+    body = _status_body(exc)
+    reason = str(body.get("reason") or exc.reason or "").strip()
+    message = "" if sensitive else str(body.get("message") or "").strip()
+    hint = _HINTS.get(status) or (
+        "the API server failed; the task retries with backoff" if status >= 500 else
+        "unexpected answer from the API server")
+    detail = f"HTTP {status} {reason}".strip()
+    if message:
+        detail += f": {message[:300]}"
+    return f"kubernetes: {action} failed ({detail}); {hint}"
+
+
+def translate_api_exception(action: str, exc: ApiException, *, sensitive: bool) -> ProviderError:
+    status = int(exc.status or 0)
+    text = describe_api_exception(action, exc, sensitive=sensitive)
+    if status == 404:
+        return KubeNotFound(text)
+    if status == 409:
+        if _status_body(exc).get("reason") == "AlreadyExists":
+            return KubeAlreadyExists(text)
+        return ProviderConflict(text)
+    if status == 410:
+        return KubeExpired(text)
+    if status in TRANSIENT_STATUSES or status >= 500 or status == 0:
+        return TransientProviderError(text)
+    return TerminalProviderError(text)
+
+
+def _is_certificate_error(exc: BaseException) -> bool:
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return True
+        reason = getattr(seen, "reason", None)
+        seen = reason if isinstance(reason, BaseException) else seen.__cause__
+    return False
+
+
+@contextlib.contextmanager
+def kube_errors(action: str, *, sensitive: bool = False) -> Iterator[None]:
+    """Translate every API / transport error raised inside into a ProviderError."""
+    try:
+        yield
+    except ProviderError:
+        raise
+    except ApiException as exc:
+        error = translate_api_exception(action, exc, sensitive=sensitive)
+        if sensitive:
+            raise error from None
+        raise error from exc
+    except urllib3.exceptions.HTTPError as exc:
+        if _is_certificate_error(exc):
+            raise TerminalProviderError(
+                f"kubernetes: {action} failed: the API server's TLS certificate was not "
+                "trusted; fix the CA in the kubeconfig"
+            ) from None
+        raise TransientProviderError(
+            f"kubernetes: {action} failed: connection to the API server failed "
+            f"({type(exc).__name__}); the task retries with backoff"
+        ) from None
+    except (TimeoutError, ConnectionError) as exc:
+        raise TransientProviderError(
+            f"kubernetes: {action} failed: {type(exc).__name__} talking to the API server; "
+            "the task retries with backoff"
+        ) from None

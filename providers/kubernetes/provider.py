@@ -1,0 +1,529 @@
+"""``KubernetesProvider``: the lease lifecycle on Kubernetes, for both backends
+(``sandbox-cr``: an agent-sandbox Sandbox; ``job``: a batch Job), each with a per-run
+Secret ``<name>-env``.
+
+    acquire       workload (409 → adopt if ours), then Secret (owner = the workload's uid),
+                  then wait: Sandbox Ready through one watch; Job exists (Pending is fine).
+                  Any failure after the workload exists runs destroy before re-raising.
+    resume_check  checkLeaseResumable of the seed: expected states never raise.
+    job_exit      a Job's phase and its container's exit code.
+    destroy       workload (Foreground), pod, Secret; every part attempted, 404 = done.
+    list_managed  everything carrying this installation's label, one entry per workload.
+
+Manifests come from manifests.py, readings of objects from status.py, API calls from
+client.py (which translates every error); this module only decides.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, NamedTuple
+
+from providers.base import (
+    Acquired,
+    AcquireOutcome,
+    AcquireRequest,
+    DestroyOutcome,
+    LeaseHandle,
+    ManagedResource,
+    Meta,
+    ResumeResult,
+)
+from providers.errors import (
+    AcquireCleanupIncomplete,
+    DestroyIncomplete,
+    InvalidRequest,
+    PartFailure,
+    ProviderConflict,
+    ProviderError,
+    TerminalProviderError,
+    TransientProviderError,
+)
+from providers.kubernetes.client import KubeApi, Obj, build_api_client
+from providers.kubernetes.errors import KubeAlreadyExists, KubeNotFound
+from providers.kubernetes.manifests import (
+    ANNOTATION_LEASE_ID,
+    DNS_LABEL,
+    JOB_NAME_LABEL,
+    LABEL_BACKEND,
+    LABEL_INSTALLATION,
+    LABEL_LEASE_ID,
+    LABEL_MANAGED_BY,
+    LABEL_RUN_ID,
+    LABEL_WORKLOAD,
+    NAME_MAX,
+    SANDBOX_NAME_LABEL,
+    Backend,
+    LeaseIdentity,
+    OwnerRef,
+    WorkloadDefaults,
+    build_job,
+    build_sandbox,
+    build_secret,
+    installation_selector,
+    is_label_key,
+    label_value,
+    secret_name,
+    workload_api_version,
+    workload_kind,
+)
+from providers.kubernetes.manifests import lease_name as _lease_name
+from providers.kubernetes.status import (
+    JobPhase,
+    SandboxPhase,
+    belongs_to,
+    container_exit_code,
+    controlled_by,
+    created_at,
+    is_terminating,
+    job_phase,
+    labels_of,
+    meta,
+    name_of,
+    owner_uids,
+    pick_pod,
+    pod_not_running_reason,
+    sandbox_pod_hint,
+    sandbox_state,
+    uid_of,
+)
+from providers.kubernetes.waits import WaitOutcome, WaitResult, wait_for
+
+if TYPE_CHECKING:
+    from workers.settings import Settings
+
+RUN_ID_KEYS = (LABEL_RUN_ID, "run_id", "run-id")
+_RESERVED_PREFIXES = ("leasekeeper.dev/", LABEL_MANAGED_BY)
+
+
+class JobExit(NamedTuple):
+    phase: JobPhase
+    exit_code: int | None
+
+
+@dataclass(frozen=True)
+class _Workload:
+    obj: Obj
+    outcome: AcquireOutcome
+
+
+@dataclass(frozen=True)
+class _PodLookup:
+    pod: Obj | None
+    missing_name: str | None = None  # the named pod the Sandbox points at, which is gone
+
+
+class KubernetesProvider:
+    name = "kubernetes"
+
+    def __init__(self, api: KubeApi, defaults: WorkloadDefaults, installation: str,
+                 default_backend: Backend = Backend.SANDBOX_CR, *,
+                 clock: Callable[[], float] = time.monotonic,
+                 now: Callable[[], datetime] = lambda: datetime.now(UTC),
+                 token_factory: Callable[[], str] = lambda: secrets.token_urlsafe(32)) -> None:
+        self.api = api
+        self.defaults = defaults
+        self.installation = installation
+        self.default_backend = default_backend
+        self._clock = clock
+        self._now = now
+        self._token = token_factory
+
+    # -- naming -------------------------------------------------------------------------
+    def lease_name(self, lease_id: str) -> str:
+        return _lease_name(lease_id)
+
+    def _backend(self, raw: str | None) -> Backend:
+        try:
+            return Backend(raw or self.default_backend)
+        except ValueError:
+            raise InvalidRequest(
+                f"kubernetes: unknown backend {raw!r}; use 'sandbox-cr' or 'job'") from None
+
+    def _api_for(self, handle_meta: Meta) -> KubeApi:
+        namespace = str(handle_meta.get("namespace") or self.api.namespace)
+        api_version = str(handle_meta.get("api_version") or "")
+        version = api_version.rpartition("/")[2] if api_version.startswith("agents.") else ""
+        if namespace == self.api.namespace and version in ("", self.api.sandbox_api_version):
+            return self.api
+        return KubeApi(self.api.api_client, namespace, self.api.request_timeout_s,
+                       version or self.api.sandbox_api_version)
+
+    def _identity(self, request: AcquireRequest) -> LeaseIdentity:
+        if len(request.name) > NAME_MAX or not DNS_LABEL.match(request.name):
+            raise InvalidRequest(
+                f"kubernetes: lease name {request.name!r} is not a DNS-1123 label of at most "
+                f"{NAME_MAX} characters; use provider.lease_name(lease_id)")
+        labels = {**request.spec.labels, **request.labels}
+        run_id = next((labels.pop(k) for k in RUN_ID_KEYS if k in labels), None)
+        for key in list(labels):
+            if key.startswith(_RESERVED_PREFIXES):
+                labels.pop(key)
+            elif not is_label_key(key):
+                raise InvalidRequest(f"kubernetes: {key!r} is not a valid label key")
+        return LeaseIdentity(
+            lease_id=request.lease_id, name=request.name, installation=self.installation,
+            tenant=label_value(request.spec.tenant), run_id=run_id,
+            extra_labels=tuple(sorted((k, label_value(v)) for k, v in labels.items())))
+
+    # -- acquire ------------------------------------------------------------------------
+    def acquire(self, request: AcquireRequest) -> Acquired:
+        deadline = self._clock() + request.timeout_s
+        backend = self._backend(request.spec.backend)
+        identity = self._identity(request)
+        workload = self._create_or_adopt(backend, identity, request)
+        info = self._meta(backend, workload.obj, pod_name=None)
+        try:
+            self._ensure_secret(backend, identity, request, workload.obj)
+            match backend:
+                case Backend.SANDBOX_CR:
+                    info["pod_name"] = self._await_sandbox(workload.obj, deadline,
+                                                           request.timeout_s)
+                case Backend.JOB:
+                    pod = self._job_pod(workload.obj)
+                    info["pod_name"] = name_of(pod) if pod else None
+        except Exception as exc:
+            self._cleanup_failed_acquire(request.lease_id, LeaseHandle(request.name,
+                                                                       backend.value, info), exc)
+            raise
+        return Acquired(workload.outcome, backend.value, info)
+
+    def _meta(self, backend: Backend, workload: Obj, pod_name: str | None) -> Meta:
+        return {
+            "namespace": self.api.namespace,
+            "pod_name": pod_name,
+            "secret_name": secret_name(name_of(workload)),
+            "uid": uid_of(workload),
+            "backend": backend.value,
+            "api_version": workload_api_version(backend, self.defaults),
+        }
+
+    def _create_or_adopt(self, backend: Backend, identity: LeaseIdentity,
+                         request: AcquireRequest) -> _Workload:
+        match backend:
+            case Backend.SANDBOX_CR:
+                manifest = build_sandbox(identity, request.spec, self.defaults, self._now())
+            case Backend.JOB:
+                manifest = build_job(identity, request.spec, self.defaults)
+        try:
+            return _Workload(self.api.create_workload(backend, manifest), AcquireOutcome.CREATED)
+        except KubeAlreadyExists:
+            existing = self.api.get_workload(backend, identity.name)
+        where = f"{backend.value} {self.api.namespace}/{identity.name}"
+        if not belongs_to(existing, identity.lease_id, self.installation):
+            labels = labels_of(existing)
+            raise ProviderConflict(
+                f"kubernetes: {where} already exists and is not lease {identity.lease_id}'s "
+                f"(installation={labels.get(LABEL_INSTALLATION)!r}, "
+                f"lease-id={labels.get(LABEL_LEASE_ID)!r}); refusing to adopt it: delete it "
+                "or use another LEASEKEEPER_KUBE_NAMESPACE")
+        if is_terminating(existing):
+            raise TransientProviderError(
+                f"kubernetes: {where} from an earlier attempt is being deleted; retry once "
+                "it is gone")
+        return _Workload(existing, AcquireOutcome.ADOPTED)
+
+    def _ensure_secret(self, backend: Backend, identity: LeaseIdentity,
+                       request: AcquireRequest, workload: Obj) -> None:
+        uid = uid_of(workload)
+        if uid is None:
+            raise TerminalProviderError(
+                f"kubernetes: the API server returned {identity.name} without a uid")
+        owner = OwnerRef(workload_api_version(backend, self.defaults), workload_kind(backend),
+                         identity.name, uid)
+        manifest = build_secret(identity, request.spec, self.defaults, backend, self._token(),
+                                owner)
+        name = secret_name(identity.name)
+        try:
+            self.api.create_secret(manifest)
+            return
+        except KubeAlreadyExists:
+            existing = self.api.get_secret_metadata(name)
+        if not belongs_to(existing, identity.lease_id, self.installation):
+            raise ProviderConflict(
+                f"kubernetes: Secret {self.api.namespace}/{name} exists and is not lease "
+                f"{identity.lease_id}'s; refusing to adopt it: delete it or use another "
+                "LEASEKEEPER_KUBE_NAMESPACE")
+        if uid in owner_uids(existing) and not is_terminating(existing):
+            return
+        # Ours, but owned by an earlier incarnation of the workload: the garbage collector
+        # will remove it under the new pod. Replace it now.
+        with contextlib.suppress(KubeNotFound):
+            self.api.delete_secret(name)
+        self.api.create_secret(manifest)
+
+    def _await_sandbox(self, sandbox: Obj, deadline: float, timeout_s: float) -> str:
+        name = name_of(sandbox)
+        result = self._wait_sandbox_settled(self.api, sandbox, deadline)
+        match result.outcome:
+            case WaitOutcome.DELETED:
+                raise TransientProviderError(
+                    f"kubernetes: Sandbox {name} was deleted while waiting for it to be Ready")
+            case WaitOutcome.TIMED_OUT:
+                state = sandbox_state(result.obj or sandbox)
+                raise TransientProviderError(
+                    f"kubernetes: Sandbox {name} did not become Ready within {timeout_s:g}s "
+                    f"({state.reason}); is the agent-sandbox controller running and can the "
+                    "pod be scheduled?")
+            case WaitOutcome.SETTLED:
+                settled = result.obj or sandbox
+        state = sandbox_state(settled)
+        match state.phase:
+            case SandboxPhase.FAILED:
+                raise TerminalProviderError(f"kubernetes: {state.reason}")
+            case SandboxPhase.TERMINATING | SandboxPhase.PENDING:
+                raise TransientProviderError(f"kubernetes: {state.reason or 'not Ready'}")
+            case SandboxPhase.READY:
+                pass
+        lookup = self._sandbox_pod(settled)
+        if lookup.pod is None:
+            raise TransientProviderError(
+                f"kubernetes: Sandbox {name} is Ready but no backing pod was found")
+        return name_of(lookup.pod)
+
+    def _wait_sandbox_settled(self, api: KubeApi, sandbox: Obj, deadline: float) -> WaitResult:
+        """Until the Sandbox is Ready, Failed or Terminating (or gone, or the deadline)."""
+        name = name_of(sandbox)
+
+        def reread() -> Obj | None:
+            try:
+                return api.get_workload(Backend.SANDBOX_CR, name)
+            except KubeNotFound:
+                return None
+
+        return wait_for(
+            initial=sandbox,
+            watch=lambda rv, timeout: api.watch_sandbox(name, rv, timeout),
+            reread=reread,
+            settled=lambda obj: sandbox_state(obj).phase is not SandboxPhase.PENDING,
+            deadline=deadline, clock=self._clock)
+
+    def _cleanup_failed_acquire(self, lease_id: str, handle: LeaseHandle,
+                                cause: Exception) -> None:
+        try:
+            self.destroy(handle)
+        except ProviderError as cleanup:
+            raise AcquireCleanupIncomplete.of(lease_id, cause, cleanup) from cause
+
+    # -- pods -----------------------------------------------------------------------------
+    def _sandbox_pod(self, sandbox: Obj, api: KubeApi | None = None) -> _PodLookup:
+        """status.podName / the pod-name annotation, then the pod named like the Sandbox,
+        then label agents.x-k8s.io/sandbox-name preferring Running. Never by prefix."""
+        api = api or self.api
+        name, uid = name_of(sandbox), uid_of(sandbox)
+        hint = sandbox_pod_hint(sandbox)
+        if hint:
+            try:
+                return _PodLookup(api.get_pod(hint))
+            except KubeNotFound:
+                return _PodLookup(None, missing_name=hint)
+        try:
+            pod = api.get_pod(name)
+            if controlled_by(pod, uid):
+                return _PodLookup(pod)
+        except KubeNotFound:
+            pass
+        return _PodLookup(pick_pod(api.list_pods(f"{SANDBOX_NAME_LABEL}={name}"), uid))
+
+    def _job_pod(self, job: Obj, api: KubeApi | None = None) -> Obj | None:
+        api = api or self.api
+        return pick_pod(api.list_pods(f"{JOB_NAME_LABEL}={name_of(job)}"), uid_of(job))
+
+    # -- resume check ---------------------------------------------------------------------
+    def resume_check(self, handle: LeaseHandle, timeout_s: float) -> ResumeResult:
+        backend = self._backend(handle.backend or handle.meta.get("backend"))
+        api = self._api_for(handle.meta)
+        match backend:
+            case Backend.SANDBOX_CR:
+                return self._resume_sandbox(api, handle.name, timeout_s)
+            case Backend.JOB:
+                return self._resume_job(api, handle.name)
+
+    def _resume_sandbox(self, api: KubeApi, name: str, timeout_s: float) -> ResumeResult:
+        deadline = self._clock() + timeout_s
+        gone = ResumeResult.not_resumable("Sandbox CR no longer exists")
+        try:
+            sandbox = api.get_workload(Backend.SANDBOX_CR, name)
+        except KubeNotFound:
+            return gone
+        state = sandbox_state(sandbox)
+        if state.phase is SandboxPhase.PENDING:
+            result = self._wait_sandbox_settled(api, sandbox, deadline)
+            match result.outcome:
+                case WaitOutcome.DELETED:
+                    return gone
+                case WaitOutcome.TIMED_OUT:
+                    last = sandbox_state(result.obj or sandbox)
+                    return ResumeResult.not_resumable(
+                        f"Sandbox {name} did not become Ready within {timeout_s:g}s "
+                        f"({last.reason})")
+                case WaitOutcome.SETTLED:
+                    sandbox = result.obj or sandbox
+                    state = sandbox_state(sandbox)
+        match state.phase:
+            case SandboxPhase.FAILED | SandboxPhase.TERMINATING | SandboxPhase.PENDING:
+                return ResumeResult.not_resumable(state.reason)
+            case SandboxPhase.READY:
+                pass
+        lookup = self._sandbox_pod(sandbox, api)
+        if lookup.pod is None:
+            if lookup.missing_name:
+                return ResumeResult.not_resumable(f"Pod {lookup.missing_name} no longer exists")
+            return ResumeResult.not_resumable("Sandbox is Ready but no backing pod was found")
+        problem = pod_not_running_reason(lookup.pod)
+        if problem:
+            return ResumeResult.not_resumable(problem)
+        return ResumeResult.resumable(pod_name=name_of(lookup.pod), phase="Running",
+                                      namespace=api.namespace)
+
+    def _resume_job(self, api: KubeApi, name: str) -> ResumeResult:
+        try:
+            job = api.get_workload(Backend.JOB, name)
+        except KubeNotFound:
+            return ResumeResult.not_resumable("Job no longer exists")
+        if is_terminating(job):
+            return ResumeResult.not_resumable(f"Job {name} is terminating")
+        phase = job_phase(job)
+        match phase:
+            case JobPhase.SUCCEEDED | JobPhase.FAILED:
+                return ResumeResult.not_resumable(f"Job is {phase.value}")
+            case JobPhase.GONE:
+                return ResumeResult.not_resumable("Job no longer exists")
+            case JobPhase.PENDING | JobPhase.RUNNING:
+                pod = self._job_pod(job, api)
+                return ResumeResult.resumable(
+                    pod_name=name_of(pod) if pod else None,
+                    phase="Running" if phase is JobPhase.RUNNING else "Pending",
+                    namespace=api.namespace)
+
+    def job_exit(self, handle: LeaseHandle) -> JobExit:
+        """A Job's phase and, once terminal, its container's exit code (None if unknown)."""
+        api = self._api_for(handle.meta)
+        try:
+            job = api.get_workload(Backend.JOB, handle.name)
+        except KubeNotFound:
+            return JobExit(JobPhase.GONE, None)
+        phase = job_phase(job)
+        match phase:
+            case JobPhase.PENDING | JobPhase.RUNNING | JobPhase.GONE:
+                return JobExit(phase, None)
+            case JobPhase.SUCCEEDED | JobPhase.FAILED:
+                pods = api.list_pods(f"{JOB_NAME_LABEL}={handle.name}")
+                codes = sorted(
+                    ((str(meta(p).get("creationTimestamp") or ""), code) for p in pods
+                     if controlled_by(p, uid_of(job))
+                     and (code := container_exit_code(p)) is not None),
+                    reverse=True)
+                return JobExit(phase, codes[0][1] if codes else None)
+
+    # -- destroy --------------------------------------------------------------------------
+    def destroy(self, handle: LeaseHandle) -> DestroyOutcome:
+        backend = self._backend(handle.backend or handle.meta.get("backend"))
+        api = self._api_for(handle.meta)
+        name = handle.name
+        uid = handle.meta.get("uid")
+        failures: list[PartFailure] = []
+        if not uid:
+            # Nothing recorded the uid: read it, so only our own object is ever deleted.
+            try:
+                found = api.get_workload(backend, name)
+                if labels_of(found).get(LABEL_INSTALLATION) != self.installation or (
+                        labels_of(found).get(LABEL_WORKLOAD) != name):
+                    return DestroyOutcome.ALREADY_GONE  # not ours: nothing of ours is there
+                uid = uid_of(found)
+            except KubeNotFound:
+                pass
+            except ProviderError as exc:
+                failures.append(PartFailure("workload", exc))
+        pod_name = handle.meta.get("pod_name") or (
+            name if backend is Backend.SANDBOX_CR else None)
+        parts: list[tuple[str, Callable[[], object]]] = []
+        if not failures:
+            parts.append(("workload", lambda: api.delete_workload(backend, name, uid)))
+        if pod_name:
+            parts.append(("pod", lambda: api.delete_pod(str(pod_name))))
+        parts.append(("secret",
+                      lambda: api.delete_secret(str(handle.meta.get("secret_name")
+                                                    or secret_name(name)))))
+        deleted = 0
+        for part, delete in parts:
+            try:
+                delete()
+                deleted += 1
+            except KubeNotFound:
+                continue
+            except ProviderConflict as exc:
+                if part == "workload" and uid:
+                    # The uid precondition failed: the name now holds another object, which
+                    # is not ours; neither are its pod and Secret.
+                    break
+                failures.append(PartFailure(part, exc))
+            except ProviderError as exc:
+                failures.append(PartFailure(part, exc))
+        if failures:
+            raise DestroyIncomplete.of(name, failures)
+        return DestroyOutcome.DESTROYED if deleted else DestroyOutcome.ALREADY_GONE
+
+    # -- enumerate ------------------------------------------------------------------------
+    def list_managed(self) -> list[ManagedResource]:
+        selector = installation_selector(self.installation)
+        found: dict[str, ManagedResource] = {}
+        for backend in Backend:
+            try:
+                workloads = self.api.list_workloads(backend, selector)
+            except KubeNotFound:  # the Sandbox CRD is not installed: nothing of that kind
+                workloads = []
+            for obj in workloads:
+                found[name_of(obj)] = self._managed(obj, backend, {
+                    "namespace": self.api.namespace,
+                    "uid": uid_of(obj),
+                    "backend": backend.value,
+                    "api_version": obj.get("apiVersion"),
+                    "secret_name": secret_name(name_of(obj)),
+                    "terminating": is_terminating(obj),
+                })
+        leftovers = [("secret_name", obj) for obj in self.api.list_secret_metadata(selector)]
+        leftovers += [("pod_name", obj) for obj in self.api.list_pods(selector)]
+        for key, obj in leftovers:
+            workload = labels_of(obj).get(LABEL_WORKLOAD)
+            if not workload:
+                continue
+            if workload in found:
+                if key == "pod_name":
+                    found[workload].meta.setdefault("pod_name", name_of(obj))
+                continue
+            kind = self._backend_or_none(labels_of(obj).get(LABEL_BACKEND))
+            if kind is None:
+                continue
+            found[workload] = self._managed(obj, kind, {
+                "namespace": self.api.namespace, "backend": kind.value, "orphaned": True,
+                key: name_of(obj)}, name=workload)
+        return sorted(found.values(), key=lambda r: r.name)
+
+    def _backend_or_none(self, raw: str | None) -> Backend | None:
+        try:
+            return Backend(raw) if raw else None
+        except ValueError:
+            return None
+
+    @staticmethod
+    def _managed(obj: Obj, backend: Backend, info: Meta, name: str | None = None
+                 ) -> ManagedResource:
+        exact = (meta(obj).get("annotations") or {}).get(ANNOTATION_LEASE_ID)
+        return ManagedResource(
+            name=name or name_of(obj), backend=backend.value,
+            lease_id=exact or labels_of(obj).get(LABEL_LEASE_ID),
+            created_at=created_at(obj), meta=info)
+
+
+def build_kubernetes_provider(settings: Settings) -> KubernetesProvider:
+    """The provider for these settings (loads the kubeconfig or in-cluster config now)."""
+    api = KubeApi(build_api_client(settings), settings.kube_namespace,
+                  settings.kube_request_timeout_s, settings.kube_sandbox_api_version)
+    return KubernetesProvider(api, WorkloadDefaults.from_settings(settings),
+                              settings.installation_id, Backend(settings.kube_backend))

@@ -1,0 +1,230 @@
+"""Pure readings of API objects (plain JSON dicts as the API server returns them): is a
+Sandbox Ready / Failed / Terminating, what phase a Job is in, which pod backs a workload,
+what a pod's state means for a resume, whether an object belongs to this lease.
+
+No I/O here; provider.py fetches, these functions decide.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from providers.kubernetes.manifests import (
+    ANNOTATION_LEASE_ID,
+    CONTAINER_NAME,
+    LABEL_INSTALLATION,
+    LABEL_LEASE_ID,
+    SANDBOX_POD_ANNOTATION,
+    label_value,
+)
+
+Obj = Mapping[str, Any]
+PodT = TypeVar("PodT", bound=Mapping[str, Any])
+
+# Ready=False with one of these reasons never turns Ready again: fail fast, like a
+# Failed condition (agent-sandbox's own client keeps such a set for claims).
+TERMINAL_READY_REASONS: frozenset[str] = frozenset({"SandboxExpired"})
+_FAILED_REASON = re.compile("failed", re.IGNORECASE)
+
+
+class SandboxPhase(StrEnum):
+    READY = "ready"
+    PENDING = "pending"
+    FAILED = "failed"
+    TERMINATING = "terminating"
+
+
+@dataclass(frozen=True)
+class SandboxState:
+    phase: SandboxPhase
+    reason: str = ""
+
+
+class JobPhase(StrEnum):
+    PENDING = "Pending"
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+    GONE = "Gone"  # the Job no longer exists (only job_exit reports it)
+
+
+def meta(obj: Obj) -> Mapping[str, Any]:
+    return obj.get("metadata") or {}
+
+
+def name_of(obj: Obj) -> str:
+    return str(meta(obj).get("name", ""))
+
+
+def uid_of(obj: Obj) -> str | None:
+    uid = meta(obj).get("uid")
+    return str(uid) if uid else None
+
+
+def resource_version(obj: Obj) -> str | None:
+    rv = meta(obj).get("resourceVersion")
+    return str(rv) if rv else None
+
+
+def labels_of(obj: Obj) -> Mapping[str, str]:
+    return meta(obj).get("labels") or {}
+
+
+def is_terminating(obj: Obj) -> bool:
+    return bool(meta(obj).get("deletionTimestamp"))
+
+
+def created_at(obj: Obj) -> datetime | None:
+    raw = meta(obj).get("creationTimestamp")
+    if not raw:
+        return None
+    return datetime.fromisoformat(str(raw).replace("Z", "+00:00"))
+
+
+def _conditions(obj: Obj) -> dict[str, Mapping[str, Any]]:
+    status = obj.get("status") or {}
+    return {str(c.get("type")): c for c in status.get("conditions") or [] if isinstance(c, dict)}
+
+
+def _describe(cond: Mapping[str, Any]) -> str:
+    reason = cond.get("reason") or ""
+    message = cond.get("message") or ""
+    return ": ".join(p for p in (str(reason), str(message)) if p)
+
+
+def sandbox_state(sandbox: Obj) -> SandboxState:
+    """Ready = condition Ready=True (or phase Ready on old controllers). Failed = a Failed
+    condition or phase, Ready=False with a reason matching /failed/i or a terminal reason,
+    or Finished=True (its pod ended). Terminating = deletionTimestamp set."""
+    name = name_of(sandbox)
+    if is_terminating(sandbox):
+        return SandboxState(SandboxPhase.TERMINATING, f"Sandbox {name} is terminating")
+    conds = _conditions(sandbox)
+    phase = str((sandbox.get("status") or {}).get("phase") or "")
+    failed = conds.get("Failed")
+    if failed is not None and failed.get("status") == "True":
+        return SandboxState(SandboxPhase.FAILED, f"Sandbox {name} failed ({_describe(failed)})")
+    if phase == "Failed":
+        return SandboxState(SandboxPhase.FAILED, f"Sandbox {name} is in phase Failed")
+    finished = conds.get("Finished")
+    if finished is not None and finished.get("status") == "True":
+        return SandboxState(SandboxPhase.FAILED,
+                            f"Sandbox {name} finished ({_describe(finished)})")
+    ready = conds.get("Ready")
+    if ready is not None:
+        status, reason = ready.get("status"), str(ready.get("reason") or "")
+        if status == "True":
+            return SandboxState(SandboxPhase.READY)
+        if status == "False" and (_FAILED_REASON.search(reason)
+                                  or reason in TERMINAL_READY_REASONS):
+            return SandboxState(SandboxPhase.FAILED,
+                                f"Sandbox {name} is not Ready ({_describe(ready)})")
+        return SandboxState(SandboxPhase.PENDING,
+                            f"Ready={status} ({_describe(ready) or 'no reason given'})")
+    if phase == "Ready":
+        return SandboxState(SandboxPhase.READY)
+    return SandboxState(SandboxPhase.PENDING,
+                        f"phase {phase}" if phase else "no Ready condition yet")
+
+
+def job_phase(job: Obj) -> JobPhase:
+    """Failed condition or failed>0 → Failed; Complete condition or succeeded>0 →
+    Succeeded; active>0 → Running; else Pending."""
+    status = job.get("status") or {}
+    conds = _conditions(job)
+
+    def true(kind: str) -> bool:
+        return (conds.get(kind) or {}).get("status") == "True"
+
+    if true("Failed") or int(status.get("failed") or 0) > 0:
+        return JobPhase.FAILED
+    if true("Complete") or int(status.get("succeeded") or 0) > 0:
+        return JobPhase.SUCCEEDED
+    if int(status.get("active") or 0) > 0:
+        return JobPhase.RUNNING
+    return JobPhase.PENDING
+
+
+def sandbox_pod_hint(sandbox: Obj) -> str | None:
+    """The pod the controller names: annotation ``agents.x-k8s.io/pod-name`` or
+    ``status.podName``."""
+    annotated = (meta(sandbox).get("annotations") or {}).get(SANDBOX_POD_ANNOTATION)
+    if annotated:
+        return str(annotated)
+    named = (sandbox.get("status") or {}).get("podName")
+    return str(named) if named else None
+
+
+def controlled_by(obj: Obj, owner_uid: str | None) -> bool:
+    """False only when ``obj`` names a different controller than ``owner_uid``."""
+    if not owner_uid:
+        return True
+    for ref in meta(obj).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return bool(ref.get("uid") == owner_uid)
+    return True
+
+
+def pick_pod(pods: Iterable[PodT], owner_uid: str | None = None) -> PodT | None:
+    """The pod to use among candidates: controlled by ``owner_uid`` if given; Running and
+    not terminating first, then not terminating, then the newest."""
+    candidates = [p for p in pods if controlled_by(p, owner_uid)]
+    if not candidates:
+        return None
+
+    def rank(pod: PodT) -> tuple[int, int, str]:
+        running = (pod.get("status") or {}).get("phase") == "Running"
+        return (int(running), int(not is_terminating(pod)),
+                str(meta(pod).get("creationTimestamp") or ""))
+
+    return max(candidates, key=rank)
+
+
+def pod_phase(pod: Obj) -> str | None:
+    phase = (pod.get("status") or {}).get("phase")
+    return str(phase) if phase else None
+
+
+def pod_not_running_reason(pod: Obj) -> str | None:
+    """None when the pod is Running and not terminating, else why it is not usable."""
+    name = name_of(pod)
+    if is_terminating(pod):
+        return f"Pod {name} is terminating"
+    phase = pod_phase(pod)
+    if phase != "Running":
+        return f"Pod {name} is {phase or 'in an unknown phase'}"
+    return None
+
+
+def container_exit_code(pod: Obj, container: str = CONTAINER_NAME) -> int | None:
+    """The terminated exit code of ``container`` (or of the only container)."""
+    statuses = [s for s in (pod.get("status") or {}).get("containerStatuses") or []
+                if isinstance(s, dict)]
+    chosen = [s for s in statuses if s.get("name") == container] or statuses[:1]
+    for status in chosen:
+        terminated = (status.get("state") or {}).get("terminated") or {}
+        if "exitCode" in terminated:
+            return int(terminated["exitCode"])
+    return None
+
+
+def belongs_to(obj: Obj, lease_id: str, installation: str) -> bool:
+    """True when the object's labels (and exact annotation, if present) name this lease
+    and installation: the test for adopting an object a 409 revealed."""
+    labels = labels_of(obj)
+    if labels.get(LABEL_INSTALLATION) != installation:
+        return False
+    if labels.get(LABEL_LEASE_ID) != label_value(lease_id):
+        return False
+    exact = (meta(obj).get("annotations") or {}).get(ANNOTATION_LEASE_ID)
+    return exact is None or exact == lease_id
+
+
+def owner_uids(obj: Obj) -> list[str]:
+    return [str(ref.get("uid")) for ref in meta(obj).get("ownerReferences") or []
+            if ref.get("uid")]
