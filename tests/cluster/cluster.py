@@ -69,6 +69,7 @@ class ClusterAccess:
             request = client.AuthenticationV1TokenRequest(
                 spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=expiration_seconds))
             result = core.create_namespaced_service_account_token(name, namespace, request)
+            assert result.status is not None
             return str(result.status.token)
 
     def kubeconfig_for_service_account(self, namespace: str, name: str,
@@ -171,15 +172,18 @@ class KubeCluster(ClusterAccess):
     def _prepare_files(self) -> None:
         for binary in ("kube-apiserver", "kube-controller-manager"):
             if not (self.bin_dir / binary).is_file():
-                raise FileNotFoundError(f"{self.bin_dir / binary} missing: run tests/cluster/build.sh")
+                raise FileNotFoundError(
+                    f"{self.bin_dir / binary} missing: run tests/cluster/build.sh")
         if not Path(self.etcd_binary).is_file():
-            raise FileNotFoundError(f"etcd not found ({self.etcd_binary}): apt-get install etcd-server")
+            raise FileNotFoundError(
+                f"etcd not found ({self.etcd_binary}): apt-get install etcd-server")
         pki = self.workdir / "pki"
         self.ca = make_ca(pki)
         self.ca_file = self.ca.cert
         self.serving = make_server_cert(self.ca, pki, "apiserver")
         self.sa_key = make_rsa_key(pki / "sa.key")
-        lines = [f'{self._tokens[u]},{u},uid-{u},"{",".join(g)}"' for u, g in self.static_users.items()]
+        lines = [f'{self._tokens[user]},{user},uid-{user},"{",".join(groups)}"'
+                 for user, groups in self.static_users.items()]
         self.token_file = self.workdir / "tokens.csv"
         self.token_file.write_text("\n".join(lines) + "\n")
 
@@ -237,8 +241,8 @@ class KubeCluster(ClusterAccess):
         self.processes.append(proc)
         wait_until(self._apiserver_ready, self.startup_timeout, "kube-apiserver /readyz",
                    failed=lambda: _exited(proc))
-        write_kubeconfig(self.kubeconfig_path, self.api_url, self.admin_token, self.ca_file,
-                         ADMIN_USER)
+        write_kubeconfig(self.kubeconfig_path, self.api_url, self._tokens[ADMIN_USER],
+                         self.ca_file, ADMIN_USER)
 
     def _start_controller_manager(self) -> None:
         assert self.ca_file is not None

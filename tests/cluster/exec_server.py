@@ -9,6 +9,7 @@ its own process group; ``stop()`` kills all of them.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import json
 import os
@@ -23,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from tests.cluster.certs import CertPair
@@ -116,10 +118,8 @@ class KubeletServer:
 
 def _kill_group(child: subprocess.Popen[bytes]) -> None:
     if child.poll() is None:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(child.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
         child.wait(5)
 
 
@@ -151,10 +151,8 @@ class _Handler(socketserver.BaseRequestHandler):
         except (OSError, ssl.SSLError):
             pass
         finally:
-            try:
+            with contextlib.suppress(OSError):
                 self.sock.close()
-            except OSError:
-                pass
 
     # -- HTTP -----------------------------------------------------------------------------
     def _read_head(self) -> tuple[str, str, dict[str, str]] | None:
@@ -238,7 +236,7 @@ class _Handler(socketserver.BaseRequestHandler):
         want_stdin = query.get("stdin", ["0"])[0] in ("1", "true")
         tty = query.get("tty", ["0"])[0] in ("1", "true")
         try:
-            child = subprocess.Popen(  # noqa: S603 - the command the test asked to exec
+            child = subprocess.Popen(
                 command, env=target.env, cwd=target.cwd, start_new_session=True,
                 stdin=subprocess.PIPE if want_stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT if tty else subprocess.PIPE)
@@ -268,8 +266,8 @@ class _Handler(socketserver.BaseRequestHandler):
             code = 128 - code
         self._finish(status_success() if code == 0 else status_exit_code(code))
 
-    def _copy_out(self, channel: int, pipe: object) -> None:
-        read = getattr(pipe, "read1")
+    def _copy_out(self, channel: int, pipe: IO[bytes]) -> None:
+        read = pipe.read1  # type: ignore[attr-defined]
         while True:
             data = read(65536)
             if not data:
@@ -300,10 +298,8 @@ class _Handler(socketserver.BaseRequestHandler):
         except (OSError, ValueError):
             pass
         finally:
-            try:
+            with contextlib.suppress(OSError):
                 stdin.close()
-            except OSError:
-                pass
 
     def _finish(self, status: bytes) -> None:
         self._send_frame(bytes([STATUS]) + status)

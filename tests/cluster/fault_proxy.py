@@ -6,6 +6,7 @@ connection, or a delay. TLS is terminated with a loopback certificate of the har
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -96,7 +97,7 @@ class _Server(ThreadingHTTPServer):
     block_on_close = False
     owner: FaultProxy
 
-    def finish_request(self, request: socket.socket | tuple[bytes, socket.socket],  # type: ignore[override]
+    def finish_request(self, request: socket.socket | tuple[bytes, socket.socket],
                        client_address: tuple[str, int]) -> None:
         assert isinstance(request, socket.socket)
         try:
@@ -125,7 +126,7 @@ class FaultProxy:
         if upstream_ca is not None:
             self.upstream_context = ssl.create_default_context(cafile=str(upstream_ca))
         else:
-            self.upstream_context = ssl._create_unverified_context()  # noqa: S323
+            self.upstream_context = ssl._create_unverified_context()
         self.rules: list[Rule] = []
         self.records: list[RequestRecord] = []
         self.counts: Counter[tuple[str, str]] = Counter()
@@ -237,10 +238,8 @@ class FaultProxy:
         with self._lock:
             sockets = list(self._sockets)
         for sock in sockets:
-            try:
+            with contextlib.suppress(OSError):
                 socket.socket.shutdown(sock, socket.SHUT_RDWR)
-            except OSError:
-                pass
 
     def open_upstream(self) -> http.client.HTTPSConnection:
         return http.client.HTTPSConnection(self.upstream.hostname or "127.0.0.1",
@@ -252,7 +251,7 @@ class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+    def log_message(self, format: str, *args: object) -> None:
         return
 
     def do_GET(self) -> None:
@@ -268,10 +267,8 @@ class _Handler(BaseHTTPRequestHandler):
         if rule is not None:
             if rule.action == "drop":
                 self.close_connection = True
-                try:
+                with contextlib.suppress(OSError):
                     socket.socket.shutdown(self.connection, socket.SHUT_RDWR)
-                except OSError:
-                    pass
                 return
             if rule.action == "status":
                 self._send_status(rule)
@@ -381,7 +378,8 @@ def _pipe(a: socket.socket, b: socket.socket) -> None:
     """Copy bytes both ways until either side closes (TLS-aware: drains pending records)."""
     peers = {a: b, b: a}
     while True:
-        ready = [s for s in (a, b) if isinstance(s, ssl.SSLSocket) and s.pending()]
+        ready: list[socket.socket] = [
+            s for s in (a, b) if isinstance(s, ssl.SSLSocket) and s.pending()]
         if not ready:
             ready, _, _ = select.select([a, b], [], [], 1.0)
         for sock in ready:

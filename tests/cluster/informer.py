@@ -5,6 +5,7 @@ once (the open watch response is shut down)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -55,10 +56,8 @@ class Informer:
         with self._lock:
             response = self._response
         if response is not None:
-            try:
+            with contextlib.suppress(Exception):
                 response.shutdown()
-            except Exception:  # noqa: BLE001 - best effort while closing
-                pass
         if self._thread is not None:
             self._thread.join(10)
 
@@ -86,7 +85,7 @@ class Informer:
                     continue
                 log.warning("%s: watch failed: %s", self.name, exc)
                 self._stop.wait(0.5)
-            except Exception as exc:  # noqa: BLE001 - connection errors: resume after a pause
+            except Exception as exc:
                 if self._stop.is_set():
                     return
                 log.debug("%s: watch broke: %s", self.name, exc)
@@ -152,5 +151,5 @@ class Informer:
     def _dispatch(self, kind: str, obj: Obj) -> None:
         try:
             self._handler(kind, obj)
-        except Exception:  # noqa: BLE001 - a handler bug must not kill the watch
+        except Exception:
             log.exception("%s: handler failed for %s %s", self.name, kind, obj_key(obj))

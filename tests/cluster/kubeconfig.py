@@ -44,4 +44,6 @@ def write_kubeconfig(
 
 def api_client_from_kubeconfig(path: Path | str) -> client.ApiClient:
     """A new ``ApiClient`` for the kubeconfig at ``path`` (the global config is not touched)."""
-    return config.new_client_from_config(config_file=str(path))
+    api: client.ApiClient = config.new_client_from_config(  # type: ignore[no-untyped-call]
+        config_file=str(path))
+    return api

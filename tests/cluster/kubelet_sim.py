@@ -12,7 +12,7 @@ process it started. Not simulated: init containers, probes, volumes, images, res
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
 import queue
@@ -21,18 +21,18 @@ import signal
 import subprocess
 import tempfile
 import threading
-import time
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 from kubernetes import client
 
+from tests.cluster import k8s_json
 from tests.cluster.certs import make_ca, make_server_cert
 from tests.cluster.exec_server import ContainerTarget, KubeletServer
-from tests.cluster.informer import Informer, Obj, obj_key
+from tests.cluster.informer import Informer, Obj
 from tests.cluster.pod_env import ConfigError, EnvResolver, container_command
 
 log = logging.getLogger(__name__)
@@ -40,7 +40,7 @@ NODE_IP = "127.0.0.1"
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -164,13 +164,13 @@ class KubeletSim:
                          "containerRuntimeVersion": "sim://1", "osImage": "sim",
                          "kernelVersion": "", "machineID": "", "systemUUID": "", "bootID": ""},
         }
-        body = {"apiVersion": "v1", "kind": "Node",
+        node = {"apiVersion": "v1", "kind": "Node",
                 "metadata": {"name": self.node_name,
                              "labels": {"kubernetes.io/hostname": self.node_name,
                                         "kubernetes.io/os": "linux"}},
                 "status": status}
         try:
-            self.core.create_node(body, _preload_content=False)
+            self.core.create_node(k8s_json.body(node), _preload_content=False)
         except client.ApiException as exc:
             if exc.status != 409:
                 raise
@@ -196,7 +196,7 @@ class KubeletSim:
             except client.ApiException as exc:
                 if exc.status not in (404, 409):
                     log.warning("kubelet simulator: API error %s on %s", exc.status, kind)
-            except Exception:  # noqa: BLE001 - keep the kubelet alive
+            except Exception:
                 log.exception("kubelet simulator: failed handling %s", kind)
 
     def _later(self, delay: float, item: tuple[str, Any]) -> None:
@@ -211,7 +211,8 @@ class KubeletSim:
         timer.start()
 
     def _retry(self, namespace: str, name: str) -> None:
-        pod = json.loads(self.core.read_namespaced_pod(name, namespace, _preload_content=False).data)
+        response = self.core.read_namespaced_pod(name, namespace, _preload_content=False)
+        pod = k8s_json.read_json(response)
         self._config_wait.discard(pod["metadata"]["uid"])
         self._on_pod("MODIFIED", pod)
 
@@ -282,7 +283,7 @@ class KubeletSim:
         run.started_at = now()
         try:
             with open(run.log_path, "ab") as out:
-                run.popen = subprocess.Popen(  # noqa: S603 - the pod's own command
+                run.popen = subprocess.Popen(
                     run.command, env=run.envs[run.containers[0]], cwd=run.cwd,
                     stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                     start_new_session=True)
@@ -439,14 +440,10 @@ class KubeletSim:
 def _signal_group(run: PodRun, sig: signal.Signals) -> None:
     if run.popen is None or run.popen.poll() is not None:
         return
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(run.popen.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _kill_pgid(pgid: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass

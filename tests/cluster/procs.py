@@ -35,7 +35,7 @@ class ManagedProcess:
         self.argv = list(argv)
         self.log_path = log_path
         with open(log_path, "ab") as log:
-            self.popen = subprocess.Popen(  # noqa: S603 - argv built by the harness
+            self.popen = subprocess.Popen(
                 self.argv,
                 stdin=subprocess.DEVNULL,
                 stdout=log,

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal
@@ -28,6 +28,7 @@ from typing import Any, Literal
 import yaml
 from kubernetes import client
 
+from tests.cluster import k8s_json
 from tests.cluster.informer import Informer, Obj, obj_key
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ def name_hash(name: str) -> str:
 
 
 def _now() -> str:
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _parse_time(value: str) -> float:
@@ -206,7 +207,7 @@ class SandboxController:
                     continue
                 log.warning("sandbox controller: %s: API error %s", key, exc.status)
                 self._requeue_at(key, time.time() + 0.5)
-            except Exception:  # noqa: BLE001 - keep reconciling other Sandboxes
+            except Exception:
                 log.exception("sandbox controller: reconcile %s failed", key)
 
     # -- reconcile ------------------------------------------------------------------------
@@ -226,7 +227,8 @@ class SandboxController:
             if spec.get("shutdownPolicy") == "Delete":
                 self.custom.delete_namespaced_custom_object(
                     GROUP, self.version, namespace, PLURAL, name,
-                    body={"propagationPolicy": "Background"}, _preload_content=False)
+                    body=client.V1DeleteOptions(propagation_policy="Background"),
+                    _preload_content=False)
                 return
             status["conditions"] = [_condition("Ready", False, "SandboxExpired",
                                                "Sandbox has expired", generation)]
@@ -291,8 +293,7 @@ class SandboxController:
             if exc.status == 404:
                 return None
             raise
-        pod: Obj = json.loads(response.data)
-        return pod
+        return k8s_json.read_json(response)
 
     def _delete_pod(self, namespace: str, name: str) -> None:
         try:
@@ -306,7 +307,7 @@ class SandboxController:
         template = spec.get("podTemplate") or {}
         template_meta = template.get("metadata") or {}
         labels = {**(template_meta.get("labels") or {}), NAME_HASH_LABEL: name_hash(meta["name"])}
-        body = {
+        pod = {
             "apiVersion": "v1", "kind": "Pod",
             "metadata": {
                 "name": pod_name, "namespace": meta["namespace"], "labels": labels,
@@ -317,10 +318,9 @@ class SandboxController:
             },
             "spec": template.get("spec") or {},
         }
-        response = self.core.create_namespaced_pod(meta["namespace"], body,
+        response = self.core.create_namespaced_pod(meta["namespace"], k8s_json.body(pod),
                                                    _preload_content=False)
-        pod: Obj = json.loads(response.data)
-        return pod
+        return k8s_json.read_json(response)
 
     def _write_status(self, sandbox: Obj, status: Obj) -> None:
         old = sandbox.get("status") or {}

@@ -15,8 +15,9 @@ from kubernetes import client
 Obj = dict[str, Any]
 
 
-def wait_for_object(list_call: Callable[..., Any], name: str, predicate: Callable[[Obj | None], bool],
-                    timeout: float = 30.0, what: str | None = None, **kwargs: Any) -> Obj | None:
+def wait_for_object(list_call: Callable[..., Any], name: str,
+                    predicate: Callable[[Obj | None], bool], timeout: float = 30.0,
+                    what: str | None = None, **kwargs: Any) -> Obj | None:
     """Wait until the object ``name`` from ``list_call(**kwargs)`` satisfies ``predicate``.
 
     ``predicate`` gets the object, or None while (or once) it does not exist, so it can wait
