@@ -60,10 +60,11 @@ class LeaseTask(Task):  # type: ignore[misc]
 
     def backoff_s(self) -> float:
         settings = self.runtime.settings
-        return float(get_exponential_backoff_interval(
-            factor=settings.retry_backoff_base_s, retries=self.request.retries,
-            maximum=settings.retry_backoff_max_s, full_jitter=True,
-        ))
+        # Celery's function works in whole units: use milliseconds for sub-second bases.
+        return get_exponential_backoff_interval(
+            factor=round(settings.retry_backoff_base_s * 1000), retries=self.request.retries,
+            maximum=round(settings.retry_backoff_max_s * 1000), full_jitter=True,
+        ) / 1000.0
 
     @contextlib.contextmanager
     def retrying(self) -> Iterator[None]:

@@ -1,0 +1,39 @@
+# leasekeeper: `make run` brings up the whole backend on embedded defaults and shows it
+# working; `make test` installs what the tests need, starts their services, runs them all.
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export PYTHONPATH := $(CURDIR)
+
+.PHONY: run test lint bench system-deps kube-binaries clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/leasekeeper up --demo 6
+
+# Debian packages the tests use: Redis and PostgreSQL servers (installed when missing).
+system-deps:
+	@bash scripts/system-deps.sh
+
+kube-binaries:
+	@bash tests/cluster/build.sh
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
+
+test: $(STAMP) system-deps kube-binaries
+	@bash scripts/run-tests.sh $(PY)
+
+bench: $(STAMP)
+	$(PY) bench/throughput.py
+
+clean:
+	rm -rf $(VENV) .var
