@@ -106,6 +106,10 @@ class JobExit(NamedTuple):
     exit_code: int | None
 
 
+class _NotOurs(ProviderConflict):
+    """An object acquire needs exists under our name and belongs to someone else."""
+
+
 @dataclass(frozen=True)
 class _Workload:
     obj: Obj
@@ -179,7 +183,11 @@ class KubernetesProvider:
         workload = self._create_or_adopt(backend, identity, request)
         info = self._meta(backend, workload.obj, pod_name=None)
         try:
-            self._ensure_secret(backend, identity, request, workload.obj)
+            try:
+                self._ensure_secret(backend, identity, request, workload.obj)
+            except _NotOurs:
+                info["secret_name"] = None  # the cleanup below must leave that Secret alone
+                raise
             match backend:
                 case Backend.SANDBOX_CR:
                     info["pod_name"] = self._await_sandbox(workload.obj, deadline,
@@ -245,7 +253,7 @@ class KubernetesProvider:
         except KubeAlreadyExists:
             existing = self.api.get_secret_metadata(name)
         if not belongs_to(existing, identity.lease_id, self.installation):
-            raise ProviderConflict(
+            raise _NotOurs(
                 f"kubernetes: Secret {self.api.namespace}/{name} exists and is not lease "
                 f"{identity.lease_id}'s; refusing to adopt it: delete it or use another "
                 "LEASEKEEPER_KUBE_NAMESPACE")
@@ -447,9 +455,10 @@ class KubernetesProvider:
             parts.append(("workload", lambda: api.delete_workload(backend, name, uid)))
         if pod_name:
             parts.append(("pod", lambda: api.delete_pod(str(pod_name))))
-        parts.append(("secret",
-                      lambda: api.delete_secret(str(handle.meta.get("secret_name")
-                                                    or secret_name(name)))))
+        # A recorded secret_name of None means "the Secret under that name is not ours".
+        secret = handle.meta["secret_name"] if "secret_name" in handle.meta else secret_name(name)
+        if secret:
+            parts.append(("secret", lambda: api.delete_secret(str(secret))))
         deleted = 0
         for part, delete in parts:
             try:
