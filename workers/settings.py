@@ -11,7 +11,7 @@ import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from providers.errors import ConfigError
@@ -29,6 +29,10 @@ class Settings(BaseSettings):
     result_backend_url: str | None = None
     store_url: str | None = None
     var_dir: Path = Path(".var")
+
+    # Flower, as `leasekeeper up` starts it (0 = any free port). Basic auth is always on.
+    flower_port: int = Field(default=5555, ge=0, le=65535)
+    flower_basic_auth: SecretStr | None = None  # "user:password"; `up` generates one if unset
 
     # Providers.
     provider: str = "local"

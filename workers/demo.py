@@ -1,0 +1,140 @@
+"""The demo workload `leasekeeper up --demo N` drives through the producer API.
+
+Each run follows one scenario, cycling through them; the demo prints every lease event as
+it happens and, at the end, checks that each lease reached the state its scenario should,
+and that no sandbox is left running.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from models.schema import LeaseState
+from models.store import Store
+from workers.runtime import Runtime
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    spec: dict[str, Any]
+    expected_end: str  # the lease's end_reason once the demo is over
+
+
+SCENARIOS = [
+    Scenario("finishes, sandbox reclaimed", {}, "reclaim"),
+    Scenario("viewer leaves, run reaped after the detach TTL", {}, "reclaim"),
+    Scenario("sandbox command crashes, resume check says expired",
+             {"command": ["sh", "-c", "sleep 1; exit 3"]}, "not_resumable"),
+    Scenario("idle past its timeout, expired by the sweep", {"idle_timeout_s": 2}, "idle"),
+    Scenario("two runs of one thread share a reused sandbox", {"reuse": True}, "requested"),
+]
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+class EventTail:
+    """Prints lease events from the store as they are appended."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self.last_id = 0
+
+    def poll(self) -> None:
+        from sqlalchemy import select
+
+        from models.schema import LeaseEvent
+
+        with self.store.tx() as s:
+            events = list(s.scalars(select(LeaseEvent).where(LeaseEvent.id > self.last_id)
+                                    .order_by(LeaseEvent.id)))
+        for e in events:
+            self.last_id = e.id
+            _say(f"  lease {e.lease_id[-8:]}  {e.from_state or '-':>15} → {e.to_state:<15} "
+                 f"{e.reason[:70]}")
+
+
+def run_demo(rt: Runtime, count: int, timeout_s: float = 120.0) -> bool:
+    from tasks import producer
+
+    tail = EventTail(rt.store)
+    tail.last_id = _max_event_id(rt.store)
+    expectations: dict[str, Scenario] = {}
+    pending: list[Callable[[], bool]] = []  # follow-up steps, each True when done
+    for i in range(count):
+        scenario = SCENARIOS[i % len(SCENARIOS)]
+        run_id = f"demo-{i}-{uuid.uuid4().hex[:6]}"
+        thread = f"thread-{i}"
+        _say(f"run {run_id}: {scenario.name}")
+        lease = producer.acquire_lease(run_id, {"tenant": "demo", "thread_id": thread,
+                                                **scenario.spec}).get(60)
+        lease_id = lease["lease_id"]
+        expectations[lease_id] = scenario
+        tail.poll()
+        check = producer.check_resumable(lease_id).get(60)
+        _say(f"  resume check: {'resumable' if check['resumable'] else check['reason']}")
+        if scenario.expected_end == "reclaim" and i % len(SCENARIOS) == 0:
+            producer.finish_run(run_id, "completed", 0).get(30)
+        elif scenario.expected_end == "reclaim":
+            producer.detach_run(run_id).get(30)
+        elif scenario.expected_end == "not_resumable":
+            pending.append(_recheck_until_expired(producer, lease_id))
+        elif scenario.expected_end == "requested":
+            second = f"{run_id}-again"
+            again = producer.acquire_lease(second, {"tenant": "demo", "thread_id": thread,
+                                                    **scenario.spec}).get(60)
+            _say(f"  second run {second}: {again['result']} lease {again['lease_id'][-8:]}")
+            producer.finish_run(run_id, "completed", 0).get(30)
+            producer.finish_run(second, "completed", 0).get(30)
+            producer.destroy_lease(lease_id).get(60)
+        tail.poll()
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pending = [step for step in pending if not step()]
+        tail.poll()
+        leases = {lid: rt.store.get_lease(lid) for lid in expectations}
+        if not pending and all(l.state == LeaseState.DESTROYED for l in leases.values()):
+            break
+        time.sleep(0.5)
+    return _report(rt, expectations)
+
+
+def _recheck_until_expired(producer: Any, lease_id: str) -> Callable[[], bool]:
+    def step() -> bool:
+        return not producer.check_resumable(lease_id).get(60)["resumable"]
+
+    return step
+
+
+def _max_event_id(store: Store) -> int:
+    from sqlalchemy import func, select
+
+    from models.schema import LeaseEvent
+
+    with store.tx() as s:
+        return int(s.scalar(select(func.coalesce(func.max(LeaseEvent.id), 0))) or 0)
+
+
+def _report(rt: Runtime, expectations: dict[str, Scenario]) -> bool:
+    ok = True
+    _say("\nsummary:")
+    for lease_id, scenario in expectations.items():
+        lease = rt.store.get_lease(lease_id)
+        good = lease.state == LeaseState.DESTROYED and (lease.end_reason or "").startswith(
+            scenario.expected_end)
+        ok &= good
+        _say(f"  {'ok ' if good else 'BAD'} lease {lease_id[-8:]} {lease.state:<10} "
+             f"end={lease.end_reason!s:<14} ({scenario.name})")
+    leftovers = rt.provider(rt.settings.provider).list_managed()
+    if leftovers:
+        ok = False
+        _say(f"  BAD {len(leftovers)} sandbox(es) still running: "
+             f"{', '.join(r.name for r in leftovers)}")
+    return ok
