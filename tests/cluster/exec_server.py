@@ -116,6 +116,10 @@ class KubeletServer:
                 self._children.discard(child)
 
 
+def _flag(query: dict[str, list[str]], name: str) -> bool:
+    return query.get(name, ["0"])[0] in ("1", "true")
+
+
 def _kill_group(child: subprocess.Popen[bytes]) -> None:
     if child.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -233,8 +237,9 @@ class _Handler(socketserver.BaseRequestHandler):
         if not is_exec or not command:
             self._finish(status_failure("attach and empty commands are not supported"))
             return
-        want_stdin = query.get("stdin", ["0"])[0] in ("1", "true")
-        tty = query.get("tty", ["0"])[0] in ("1", "true")
+        # the API server passes input/output/error/tty (kubectl's stdin is "input" here)
+        want_stdin = _flag(query, "input") or _flag(query, "stdin")
+        tty = _flag(query, "tty")
         try:
             child = subprocess.Popen(
                 command, env=target.env, cwd=target.cwd, start_new_session=True,
@@ -257,14 +262,16 @@ class _Handler(socketserver.BaseRequestHandler):
                 thread = threading.Thread(target=self._copy_out, args=(channel, pipe), daemon=True)
                 thread.start()
                 readers.append(thread)
+        stdin_thread = None
         if want_stdin:
-            threading.Thread(target=self._copy_in, args=(child,), daemon=True).start()
+            stdin_thread = threading.Thread(target=self._copy_in, args=(child,), daemon=True)
+            stdin_thread.start()
         for thread in readers:
             thread.join()
         code = child.wait()
         if code < 0:
             code = 128 - code
-        self._finish(status_success() if code == 0 else status_exit_code(code))
+        self._finish(status_success() if code == 0 else status_exit_code(code), stdin_thread)
 
     def _copy_out(self, channel: int, pipe: IO[bytes]) -> None:
         read = pipe.read1  # type: ignore[attr-defined]
@@ -301,9 +308,21 @@ class _Handler(socketserver.BaseRequestHandler):
             with contextlib.suppress(OSError):
                 stdin.close()
 
-    def _finish(self, status: bytes) -> None:
+    def _finish(self, status: bytes, stdin_thread: threading.Thread | None = None) -> None:
+        """Send the status and a close frame, then wait (briefly) for the client's close."""
         self._send_frame(bytes([STATUS]) + status)
         self._send_frame(struct.pack("!H", 1000), opcode=0x8)
+        if stdin_thread is not None:
+            stdin_thread.join(2.0)  # it returns on the client's close frame
+            return
+        self.sock.settimeout(2.0)
+        try:
+            while True:
+                frame = self._recv_frame()
+                if frame is None or frame[0] == 0x8:
+                    return
+        except (OSError, ValueError):
+            return
 
     def _send_frame(self, payload: bytes, opcode: int = 0x2) -> None:
         length = len(payload)

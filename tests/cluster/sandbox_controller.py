@@ -256,7 +256,16 @@ class SandboxController:
             self._write_status(sandbox, status)
             return
         if pod is None and behaviour == "normal":
-            pod = self._create_pod(sandbox, pod_name)
+            try:
+                pod = self._create_pod(sandbox, pod_name)
+            except client.ApiException as exc:
+                if exc.status is None or not 400 <= exc.status < 500 or exc.status == 409:
+                    raise
+                status["conditions"] = [_condition("Ready", False, "ReconcilerError",
+                                                   f"creating the pod failed: {exc.body}",
+                                                   generation)]
+                self._write_status(sandbox, status)
+                return
         status["conditions"] = self._pod_conditions(pod, generation)
         if pod is not None:
             pod_status = pod.get("status") or {}

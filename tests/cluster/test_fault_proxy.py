@@ -1,0 +1,97 @@
+"""Owns the tests of the fault proxy's rules beyond plain errors: 429 with Retry-After, dropped
+connections, delays, counted watches and cutting open streams."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import urllib3
+from kubernetes import client, config, watch
+
+from tests.cluster.fault_proxy import FaultProxy
+from tests.cluster.k8s_json import body
+from tests.cluster.kubeconfig import api_client_from_kubeconfig
+
+pytestmark = [pytest.mark.k8s, pytest.mark.timeout(120)]
+
+
+def _client(proxy: FaultProxy, retries: int | None = None) -> client.ApiClient:
+    """A client through the proxy; ``retries=0`` turns off urllib3's own retries."""
+    configuration = client.Configuration()
+    configuration.retries = retries
+    api: client.ApiClient = config.new_client_from_config(  # type: ignore[no-untyped-call]
+        config_file=str(proxy.kubeconfig_path), client_configuration=configuration)
+    return api
+
+
+def test_throttle_answers_429_with_retry_after(fault_proxy: FaultProxy,
+                                                k8s_namespace: str) -> None:
+    with _client(fault_proxy, retries=0) as api:
+        fault_proxy.throttle("GET", r"/configmaps$", retry_after=3, times=1)
+        with pytest.raises(client.ApiException) as info:
+            client.CoreV1Api(api).list_namespaced_config_map(k8s_namespace)
+        assert info.value.status == 429
+        assert info.value.headers is not None and info.value.headers["Retry-After"] == "3"
+        status = json.loads(info.value.body or "{}")
+        assert status["reason"] == "TooManyRequests"
+        assert status["details"]["retryAfterSeconds"] == 3
+
+
+def test_default_client_retries_429_after_retry_after(fault_proxy: FaultProxy,
+                                                      k8s_namespace: str) -> None:
+    # urllib3's default Retry honours Retry-After on 429 for GETs: the client waits and retries
+    with _client(fault_proxy) as api:
+        fault_proxy.reset_counts()
+        fault_proxy.throttle("GET", r"/configmaps$", retry_after=1, times=1)
+        started = time.monotonic()
+        client.CoreV1Api(api).list_namespaced_config_map(k8s_namespace)
+        assert time.monotonic() - started >= 1
+        assert fault_proxy.count("GET", r"/configmaps$") == 2
+
+
+def test_drop_and_delay(fault_proxy: FaultProxy, k8s_namespace: str) -> None:
+    with _client(fault_proxy, retries=0) as api:
+        core = client.CoreV1Api(api)
+        fault_proxy.drop("GET", r"/secrets$", times=1)
+        with pytest.raises(urllib3.exceptions.HTTPError):
+            core.list_namespaced_secret(k8s_namespace)
+        fault_proxy.delay("GET", r"/secrets$", seconds=0.5)
+        started = time.monotonic()
+        core.list_namespaced_secret(k8s_namespace)
+        assert time.monotonic() - started >= 0.5
+        assert fault_proxy.count("GET", r"/secrets$") == 2
+
+
+def test_watch_streams_through_and_close_streams_cuts_it(fault_proxy: FaultProxy,
+                                                         k8s_namespace: str) -> None:
+    with api_client_from_kubeconfig(fault_proxy.kubeconfig_path) as api:
+        core = client.CoreV1Api(api)
+        seen: list[str] = []
+        ended = threading.Event()
+
+        def watch_secrets() -> None:
+            try:
+                for event in watch.Watch().stream(core.list_namespaced_config_map,
+                                                  k8s_namespace, timeout_seconds=60):
+                    seen.append(event["object"].metadata.name)
+            except Exception:
+                pass
+            finally:
+                ended.set()
+
+        thread = threading.Thread(target=watch_secrets, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while fault_proxy.count("GET", r"/configmaps$", query="watch=") == 0:
+            assert time.monotonic() < deadline, "the watch never reached the proxy"
+            time.sleep(0.02)
+        core.create_namespaced_config_map(k8s_namespace, body({"metadata": {"name": "cm1"}}))
+        deadline = time.monotonic() + 10
+        while "cm1" not in seen:
+            assert time.monotonic() < deadline, "the watch event did not stream through"
+            time.sleep(0.02)
+        fault_proxy.close_streams()
+        assert ended.wait(10), "close_streams() did not end the watch"

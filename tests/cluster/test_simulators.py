@@ -1,0 +1,153 @@
+"""Owns the tests of the simulators' finer behaviour against the real API server: Sandbox
+suspension, expiry (Retain and Delete), pod failure mirrored into the Sandbox; kubelet restarts
+for restartPolicy OnFailure, CreateContainerConfigError until a Secret appears, exec stdin."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from kubernetes import client
+from kubernetes.stream import stream
+
+from tests.cluster.k8s_json import body
+from tests.cluster.kubelet_sim import KubeletSim
+from tests.cluster.sandbox_controller import GROUP, PLURAL, SandboxController
+from tests.cluster.waits import condition_is, gone, pod_phase_in, wait_for_object, wait_for_pod
+
+pytestmark = [pytest.mark.k8s, pytest.mark.timeout(120)]
+Obj = dict[str, Any]
+
+
+def _sandbox(name: str, command: list[str] | None = None, **spec: Any) -> Obj:
+    container: Obj = {"name": "main", "image": "sim"}
+    if command:
+        container["command"] = command
+    return {"apiVersion": f"{GROUP}/v1beta1", "kind": "Sandbox", "metadata": {"name": name},
+            "spec": {"podTemplate": {"spec": {"restartPolicy": "Never",
+                                              "containers": [container]}}, **spec}}
+
+
+def _reason(obj: Obj | None, kind: str = "Ready") -> str | None:
+    for cond in (obj or {}).get("status", {}).get("conditions") or []:
+        if cond["type"] == kind:
+            return str(cond.get("reason"))
+    return None
+
+
+def _reason_is(reason: str, kind: str = "Ready") -> Any:
+    return lambda obj: _reason(obj, kind) == reason
+
+
+class _Sandboxes:
+    def __init__(self, api: client.ApiClient, namespace: str) -> None:
+        self.custom = client.CustomObjectsApi(api)
+        self.namespace = namespace
+
+    def create(self, obj: Obj) -> None:
+        self.custom.create_namespaced_custom_object(GROUP, "v1beta1", self.namespace, PLURAL,
+                                                    obj)
+
+    def patch(self, name: str, patch: Obj) -> None:
+        self.custom.patch_namespaced_custom_object(
+            GROUP, "v1beta1", self.namespace, PLURAL, name, patch,
+            _content_type="application/merge-patch+json")
+
+    def wait(self, name: str, predicate: Any, timeout: float = 30) -> Obj | None:
+        def list_call(**kwargs: Any) -> Any:
+            return self.custom.list_namespaced_custom_object(GROUP, "v1beta1", self.namespace,
+                                                             PLURAL, **kwargs)
+        return wait_for_object(list_call, name, predicate, timeout, f"sandbox {name}")
+
+
+def test_sandbox_suspend_and_resume(kube_api: client.ApiClient,
+                                    sandbox_controller: SandboxController | None,
+                                    k8s_namespace: str) -> None:
+    sandboxes, core = _Sandboxes(kube_api, k8s_namespace), client.CoreV1Api(kube_api)
+    sandboxes.create(_sandbox("pausable"))
+    sandboxes.wait("pausable", condition_is("Ready"))
+    sandboxes.patch("pausable", {"spec": {"operatingMode": "Suspended"}})
+    suspended = sandboxes.wait("pausable", _reason_is("PodTerminated", "Suspended"))
+    assert _reason(suspended) == "SandboxSuspended"
+    wait_for_pod(core, k8s_namespace, "pausable", gone)
+    sandboxes.patch("pausable", {"spec": {"operatingMode": "Running"}})
+    sandboxes.wait("pausable", condition_is("Ready"))
+
+
+def test_sandbox_expiry_retain_and_delete(kube_api: client.ApiClient,
+                                          sandbox_controller: SandboxController | None,
+                                          k8s_namespace: str) -> None:
+    sandboxes, core = _Sandboxes(kube_api, k8s_namespace), client.CoreV1Api(kube_api)
+    soon = (datetime.now(UTC) + timedelta(seconds=2)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    sandboxes.create(_sandbox("kept", shutdownTime=soon, shutdownPolicy="Retain"))
+    sandboxes.create(_sandbox("dropped", shutdownTime=soon, shutdownPolicy="Delete"))
+    sandboxes.wait("kept", _reason_is("SandboxExpired"), timeout=20)
+    wait_for_pod(core, k8s_namespace, "kept", gone)
+    sandboxes.wait("dropped", gone, timeout=20)
+    wait_for_pod(core, k8s_namespace, "dropped", gone)
+
+
+def test_failed_pod_is_mirrored_into_sandbox(kube_api: client.ApiClient,
+                                             sandbox_controller: SandboxController | None,
+                                             k8s_namespace: str) -> None:
+    sandboxes = _Sandboxes(kube_api, k8s_namespace)
+    sandboxes.create(_sandbox("crashy", ["sh", "-c", "exit 9"]))
+    finished = sandboxes.wait("crashy", condition_is("Finished"))
+    assert _reason(finished) == "PodFailed" and _reason(finished, "Finished") == "PodFailed"
+
+
+def test_on_failure_restarts_the_process(kube_api: client.ApiClient,
+                                         kubelet_sim: KubeletSim | None,
+                                         k8s_namespace: str) -> None:
+    core = client.CoreV1Api(kube_api)
+    # fails on the first run, succeeds on the second (the marker file survives restarts)
+    script = "if [ -e marker ]; then exit 0; fi; touch marker; exit 4"
+    core.create_namespaced_pod(k8s_namespace, body({
+        "metadata": {"name": "flaky"},
+        "spec": {"restartPolicy": "OnFailure",
+                 "containers": [{"name": "main", "image": "sim",
+                                 "command": ["sh", "-c", script]}]}}))
+    pod = wait_for_pod(core, k8s_namespace, "flaky", pod_phase_in("Succeeded"))
+    assert pod is not None
+    status = pod["status"]["containerStatuses"][0]
+    assert status["restartCount"] == 1
+    assert status["lastState"]["terminated"]["exitCode"] == 4
+
+
+def test_missing_secret_blocks_until_created(kube_api: client.ApiClient,
+                                             kubelet_sim: KubeletSim | None,
+                                             k8s_namespace: str) -> None:
+    core = client.CoreV1Api(kube_api)
+    core.create_namespaced_pod(k8s_namespace, body({
+        "metadata": {"name": "needs-secret"},
+        "spec": {"restartPolicy": "Never",
+                 "containers": [{"name": "main", "image": "sim",
+                                 "command": ["sh", "-c", 'test "$KEY" = late'],
+                                 "envFrom": [{"secretRef": {"name": "later"}}]}]}}))
+
+    def waiting(pod: Obj | None) -> bool:
+        statuses = (pod or {}).get("status", {}).get("containerStatuses") or []
+        return bool(statuses) and \
+            statuses[0]["state"].get("waiting", {}).get("reason") == "CreateContainerConfigError"
+
+    wait_for_pod(core, k8s_namespace, "needs-secret", waiting)
+    core.create_namespaced_secret(k8s_namespace, body({"metadata": {"name": "later"},
+                                                       "stringData": {"KEY": "late"}}))
+    wait_for_pod(core, k8s_namespace, "needs-secret", pod_phase_in("Succeeded"))
+
+
+def test_exec_with_stdin(kube_api: client.ApiClient, kubelet_sim: KubeletSim | None,
+                         k8s_namespace: str) -> None:
+    core = client.CoreV1Api(kube_api)
+    core.create_namespaced_pod(k8s_namespace, body({
+        "metadata": {"name": "cat"},
+        "spec": {"containers": [{"name": "main", "image": "sim"}]}}))
+    wait_for_pod(core, k8s_namespace, "cat", condition_is("Ready"))
+    resp = stream(core.connect_get_namespaced_pod_exec, "cat", k8s_namespace,
+                  command=["sh", "-c", "read line; echo got:$line"], stdin=True, stdout=True,
+                  stderr=True, tty=False, _preload_content=False)
+    resp.write_stdin("ping\n")
+    resp.run_forever(timeout=20)
+    assert resp.read_stdout() == "got:ping\n"
+    assert resp.returncode == 0
