@@ -10,6 +10,8 @@ Environment:
 - ``LEASEKEEPER_TEST_AUTHZ``: ``RBAC`` (default) or ``AlwaysAllow`` for the started cluster.
 - ``LEASEKEEPER_KUBE_BIN_DIR``: use these binaries instead of build.sh's cache.
 Missing binaries that cannot be built fail the test with the build's error, never skip it.
+A conftest.py should call ``prebuild_binaries(session)`` from ``pytest_collection_finish`` so a
+cold build (~6 minutes) does not run inside the first test's timeout.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Iterator
+from pathlib import Path
 from typing import cast
 
 import pytest
@@ -35,6 +38,31 @@ ENV_AUTHZ = "LEASEKEEPER_TEST_AUTHZ"
 STATIC_USERS = {"alice": [], "bob": ["leasekeeper-testers"]}
 
 
+_prebuild: dict[str, object] = {}
+
+
+def prebuild_binaries(session: pytest.Session) -> None:
+    """Build or locate the binaries before any test runs, outside the per-test timeouts (a
+    cold build takes ~6 minutes). Call it from ``pytest_collection_finish`` in a conftest.py;
+    it does nothing unless a collected test is marked ``k8s`` and no external cluster is set."""
+    if os.environ.get(ENV_KUBECONFIG) or "bin_dir" in _prebuild:
+        return
+    if not any(item.get_closest_marker("k8s") for item in session.items):
+        return
+    try:
+        _prebuild["bin_dir"] = locate_binaries()
+    except BinariesUnavailable as exc:
+        _prebuild["error"] = exc
+
+
+def _binaries() -> Path:
+    if "error" in _prebuild:
+        raise cast(BinariesUnavailable, _prebuild["error"])
+    if "bin_dir" in _prebuild:
+        return cast(Path, _prebuild["bin_dir"])
+    return locate_binaries()
+
+
 def _flag(name: str) -> bool:
     return os.environ.get(name, "").lower() in ("1", "true", "yes")
 
@@ -51,7 +79,7 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterAc
         yield cluster
         return
     try:
-        bin_dir = locate_binaries()
+        bin_dir = _binaries()
     except BinariesUnavailable as exc:
         pytest.fail(f"Kubernetes test binaries unavailable: {exc}", pytrace=False)
     mode = cast(AuthorizationMode, os.environ.get(ENV_AUTHZ, "RBAC"))

@@ -72,17 +72,18 @@ def test_watch_streams_through_and_close_streams_cuts_it(fault_proxy: FaultProxy
         seen: list[str] = []
         ended = threading.Event()
 
-        def watch_secrets() -> None:
+        def watch_config_maps() -> None:
             try:
-                for event in watch.Watch().stream(core.list_namespaced_config_map,
-                                                  k8s_namespace, timeout_seconds=60):
+                events = watch.Watch().stream(  # type: ignore[no-untyped-call]
+                    core.list_namespaced_config_map, k8s_namespace, timeout_seconds=60)
+                for event in events:
                     seen.append(event["object"].metadata.name)
             except Exception:
                 pass
             finally:
                 ended.set()
 
-        thread = threading.Thread(target=watch_secrets, daemon=True)
+        thread = threading.Thread(target=watch_config_maps, daemon=True)
         thread.start()
         deadline = time.monotonic() + 10
         while fault_proxy.count("GET", r"/configmaps$", query="watch=") == 0:
