@@ -64,8 +64,8 @@ class KubeEnv:
             labels={"leasekeeper.dev/run-id": f"run-{lease_id}", "team": "core"},
             timeout_s=timeout_s)
 
-    def handle(self, name: str, backend: str = "sandbox-cr", **meta: Any) -> LeaseHandle:
-        return LeaseHandle(name=name, backend=backend,
+    def handle(self, name: str, backend: str = "sandbox-cr", /, **meta: Any) -> LeaseHandle:
+        return LeaseHandle(name=name, backend=str(meta.get("backend", backend)),
                            meta={"namespace": self.namespace, **meta})
 
     # -- admin reads (not through the proxy) -----------------------------------------------
