@@ -74,13 +74,11 @@ def bench_store(kind: str, url: str, work: Path, pairs: int, rounds: int,
     upgrade(url)
     redis_lib.Redis.from_url(os.environ["LEASEKEEPER_BROKER_URL"]).flushdb()
     stack = WorkerStack(name=f"bench-{kind}", store_url=url, root=work / kind,
-                        broker_url=os.environ["LEASEKEEPER_BROKER_URL"])
+                        broker_url=os.environ["LEASEKEEPER_BROKER_URL"],
+                        extra_env={"LEASEKEEPER_PROVIDER": "noop",
+                                   "LEASEKEEPER_PROVIDERS": "noop,local"})
     stack.root.mkdir(parents=True, exist_ok=True)
     os.environ["LEASEKEEPER_STORE_URL"] = url
-    stack_env = stack.env
-    stack_env["LEASEKEEPER_PROVIDER"] = "noop"
-    stack_env["LEASEKEEPER_PROVIDERS"] = "noop,local"
-    type(stack).env = property(lambda _self: stack_env)  # type: ignore[method-assign]
     stack.start_worker(concurrency=concurrency)
     try:
         warm = [producer.acquire_lease(f"warm-{i}-{uuid.uuid4().hex[:6]}") for i in range(10)]

@@ -82,6 +82,10 @@ class ManagedResource:
     lease_id: str | None
     created_at: datetime | None
     meta: Meta = field(default_factory=dict)
+    # The workload's command ended by itself with this code (a Job's container, a local
+    # process's exit sentinel). None while it runs, or when the provider cannot tell:
+    # unknown is never taken for finished.
+    exit_code: int | None = None
 
 
 @runtime_checkable

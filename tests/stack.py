@@ -46,6 +46,7 @@ class WorkerStack:
     store_url: str
     root: Path
     broker_url: str
+    extra_env: dict[str, str] = field(default_factory=dict)  # e.g. another provider's settings
     procs: list[subprocess.Popen[bytes]] = field(default_factory=list)
     node: int = 0
 
@@ -57,7 +58,7 @@ class WorkerStack:
                 "LEASEKEEPER_VAR_DIR": str(self.root),
                 "LEASEKEEPER_LOCAL_ROOT_DIR": str(self.root / "sandboxes"),
                 "LEASEKEEPER_FAULTS_FILE": str(self.root / "faults.json"),
-                "PYTHONPATH": str(REPO)}
+                "PYTHONPATH": str(REPO), **self.extra_env}
 
     def settings(self, **overrides: Any) -> Settings:
         values = {k.removeprefix("LEASEKEEPER_").lower(): v for k, v in self.env.items()
