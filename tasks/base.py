@@ -61,10 +61,11 @@ class LeaseTask(Task):  # type: ignore[misc]
     def backoff_s(self) -> float:
         settings = self.runtime.settings
         # Celery's function works in whole units: use milliseconds for sub-second bases.
-        return get_exponential_backoff_interval(
+        millis: int = get_exponential_backoff_interval(
             factor=round(settings.retry_backoff_base_s * 1000), retries=self.request.retries,
             maximum=round(settings.retry_backoff_max_s * 1000), full_jitter=True,
-        ) / 1000.0
+        )
+        return millis / 1000.0
 
     @contextlib.contextmanager
     def retrying(self) -> Iterator[None]:

@@ -63,11 +63,12 @@ class RedisServer:
 def start_redis(workdir: Path, port: int | None = None) -> RedisServer:
     port = port or free_port()
     workdir.mkdir(parents=True, exist_ok=True)
-    proc = subprocess.Popen(
-        [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", str(workdir), "--protected-mode", "no"],
-        stdout=open(workdir / "redis.log", "ab"), stderr=subprocess.STDOUT,
-    )
+    with open(workdir / "redis.log", "ab") as log:
+        proc = subprocess.Popen(
+            [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "no", "--dir", str(workdir), "--protected-mode", "no"],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
     wait_for_port(port, 20, proc)
     return RedisServer(port, proc)
 
@@ -120,13 +121,14 @@ def start_postgres(workdir: Path) -> PostgresServer:
                     "-E", "UTF8", "--no-sync"], check=True, capture_output=True,
                    **_as_postgres())  # type: ignore[call-overload]
     port = free_port()
-    proc = subprocess.Popen(
-        [_pg_bin("postgres"), "-D", str(datadir), "-p", str(port),
-         "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={workdir}",
-         "-c", "fsync=off", "-c", "max_connections=200"],
-        stdout=open(workdir / "postgres.log", "ab"), stderr=subprocess.STDOUT,
-        **_as_postgres(),  # type: ignore[call-overload]
-    )
+    with open(workdir / "postgres.log", "ab") as log:
+        proc = subprocess.Popen(
+            [_pg_bin("postgres"), "-D", str(datadir), "-p", str(port),
+             "-c", "listen_addresses=127.0.0.1", "-c", f"unix_socket_directories={workdir}",
+             "-c", "fsync=off", "-c", "max_connections=200"],
+            stdout=log, stderr=subprocess.STDOUT,
+            **_as_postgres(),  # type: ignore[call-overload]
+        )
     wait_for_port(port, 30, proc)
     return PostgresServer(port, datadir, proc)
 

@@ -79,13 +79,14 @@ class WorkerStack:
     def start_worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
         self.node += 1
         hostname = f"{self.name}-{self.node}@test"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-P", "prefork",
-             "-c", str(concurrency), "-E", "-n", hostname, "--without-gossip",
-             "--without-mingle", "-l", "info"],
-            cwd=REPO, env=self.env, stdout=open(self.logfile, "ab"), stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with open(self.logfile, "ab") as log:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-P", "prefork",
+                 "-c", str(concurrency), "-E", "-n", hostname, "--without-gossip",
+                 "--without-mingle", "-l", "info"],
+                cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs.append(proc)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

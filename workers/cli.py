@@ -7,17 +7,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from models.schema import LeaseState, utcnow
 from providers.errors import LeasekeeperError
 from workers.settings import get_settings
+
+if TYPE_CHECKING:
+    from workers.runtime import Runtime
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 db_cli = typer.Typer(no_args_is_help=True, help="The lease store's schema.")
@@ -26,7 +30,7 @@ cli.add_typer(db_cli, name="db")
 cli.add_typer(leases_cli, name="leases")
 
 
-def _runtime():  # type: ignore[no-untyped-def]
+def _runtime() -> Runtime:
     from workers.runtime import get_runtime
 
     return get_runtime()
@@ -51,7 +55,7 @@ def up(
     from workers.embedded import embedded_backend
 
     settings = get_settings()
-    demo_env = {}
+    demo_env: dict[str, str] = {}
     if demo:  # short sweep intervals and detach TTL so the demo shows reaping in seconds
         for key, value in {"REAP_RUNS_INTERVAL_S": "1", "EXPIRE_LEASES_INTERVAL_S": "1",
                            "RETRY_CLEANUP_INTERVAL_S": "2", "RUN_DETACH_TTL_S": "2",
@@ -84,10 +88,8 @@ def up(
             typer.echo("press Ctrl-C to stop")
             stop = threading.Event()
             signal.signal(signal.SIGTERM, lambda *_: stop.set())
-            try:
+            with contextlib.suppress(KeyboardInterrupt):
                 stop.wait()
-            except KeyboardInterrupt:
-                pass
     raise typer.Exit(0 if ok else 1)
 
 

@@ -100,7 +100,7 @@ def run_demo(rt: Runtime, count: int, timeout_s: float = 120.0) -> bool:
         pending = [step for step in pending if not step()]
         tail.poll()
         leases = {lid: rt.store.get_lease(lid) for lid in expectations}
-        if not pending and all(l.state == LeaseState.DESTROYED for l in leases.values()):
+        if not pending and all(lease.state == LeaseState.DESTROYED for lease in leases.values()):
             break
         time.sleep(0.5)
     return _report(rt, expectations)

@@ -30,7 +30,7 @@ def wait_for_port(port: int, timeout_s: float, proc: subprocess.Popen[bytes]) ->
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise ConfigError(f"{proc.args[0]} exited with {proc.returncode} before listening")
+            raise ConfigError(f"{proc.args!r:.80} exited with {proc.returncode} before listening")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
             return
         time.sleep(0.05)
@@ -60,9 +60,9 @@ class Supervisor:
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         self.logdir.mkdir(parents=True, exist_ok=True)
-        log = open(self.logdir / f"{name}.log", "ab")
-        proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        with open(self.logdir / f"{name}.log", "ab") as log:  # the child keeps its own fd
+            proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
         self.procs[name] = proc
         return proc
 

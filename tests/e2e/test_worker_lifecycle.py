@@ -9,6 +9,7 @@ import subprocess
 import sys
 import urllib.request
 import uuid
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -56,7 +57,7 @@ def test_transient_provider_error_is_retried_to_success(stack: WorkerStack) -> N
     run_id = rid()
     result = producer.acquire_lease(run_id, {"provider": "faulty"}).get(60)
     assert result["result"] == "adopted"  # the retry took over what the first try made
-    leases = [l for l in stack.runtime().store.leases() if l.run_id == run_id]
+    leases = [lease for lease in stack.runtime().store.leases() if lease.run_id == run_id]
     assert len(leases) == 1 and leases[0].state == LeaseState.ACTIVE
     producer.destroy_lease(result["lease_id"]).get(30)
 
@@ -67,7 +68,7 @@ def test_terminal_provider_error_fails_at_once_with_the_reason(stack: WorkerStac
     async_result = producer.acquire_lease(run_id, {"provider": "faulty"})
     with pytest.raises(TerminalProviderError, match="injected terminal fault"):
         async_result.get(60)
-    (lease,) = [l for l in stack.runtime().store.leases() if l.run_id == run_id]
+    (lease,) = [lease for lease in stack.runtime().store.leases() if lease.run_id == run_id]
     assert lease.state == LeaseState.DESTROYED and lease.end_reason == "acquire_failed"
 
 
@@ -77,7 +78,7 @@ def test_malformed_payload_sent_by_name_fails_clearly_and_writes_nothing(
     run_id = rid()
     bad = app.send_task("lease.acquire", kwargs={"run_id": run_id,
                                                  "spec": {"tenant": "NOT OK", "colour": 1}})
-    with pytest.raises(InvalidRequest, match="invalid lease.acquire payload") as err:
+    with pytest.raises(InvalidRequest, match=r"invalid lease\.acquire payload") as err:
         bad.get(30)
     assert "tenant" in str(err.value) and "colour" in str(err.value)
     assert stack.runtime().store.get_run(run_id) is None
@@ -102,7 +103,8 @@ def test_worker_killed_mid_acquire_leaves_one_sandbox_and_no_stuck_lease(
     result = producer.acquire_lease(run_id, {"provider": "faulty"}).get(90)
     assert result["result"] == "adopted"
     rt = stack.runtime()
-    assert [l.state for l in rt.store.leases() if l.run_id == run_id] == [LeaseState.ACTIVE]
+    states = [lease.state for lease in rt.store.leases() if lease.run_id == run_id]
+    assert states == [LeaseState.ACTIVE]
     mine = [r for r in rt.provider("faulty").list_managed() if r.lease_id == result["lease_id"]]
     assert len(mine) == 1 and mine[0].meta["alive"]
     producer.destroy_lease(result["lease_id"]).get(30)
@@ -128,8 +130,8 @@ def test_secrets_never_reach_results_store_logs_or_flower(stack: WorkerStack) ->
     port = free_port()
     flower = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "workers.app", "flower", f"--port={port}",
-         "--address=127.0.0.1", "--basic-auth=ops:flower-pass"], env=stack.env, stdout=subprocess.DEVNULL,
-        stderr=subprocess.STDOUT)
+         "--address=127.0.0.1", "--basic-auth=ops:flower-pass"], env=stack.env,
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     try:
         wait_for_port(port, 30, flower)
 
@@ -142,7 +144,7 @@ def test_secrets_never_reach_results_store_logs_or_flower(stack: WorkerStack) ->
 
         def flower_listens() -> bool:  # Flower sees events only once it has subscribed
             probe = app.send_task("run.attach", kwargs={"run_id": "flower-probe"})
-            return bool(eventually(lambda: probe.ready(), 10, "probe")) and (
+            return bool(eventually(probe.ready, 10, "probe")) and (
                 probe.id in flower_tasks())
 
         eventually(flower_listens, what="Flower to receive task events")
@@ -163,7 +165,7 @@ def test_secrets_never_reach_results_store_logs_or_flower(stack: WorkerStack) ->
         # The sandbox itself does get the secret.
         workspace = stack.runtime().store.get_lease(lease_id).provider_meta["workspace"]
         pid = stack.runtime().store.get_lease(lease_id).provider_meta["pid"]
-        environ = open(f"/proc/{pid}/environ", "rb").read()
+        environ = Path(f"/proc/{pid}/environ").read_bytes()
         assert f"API_TOKEN={SECRET}".encode() in environ and workspace
         producer.destroy_lease(lease_id).get(30)
     finally:

@@ -144,7 +144,7 @@ def test_explicit_key_clash_without_reuse_is_a_clear_error(rt: Runtime) -> None:
 
 
 def test_unknown_provider_is_refused_before_anything_is_written(rt: Runtime) -> None:
-    with pytest.raises(InvalidRequest, match="unknown provider 'nomad'.*LEASEKEEPER_PROVIDERS"):
+    with pytest.raises(InvalidRequest, match=r"unknown provider 'nomad'.*LEASEKEEPER_PROVIDERS"):
         acquire_lease(rt, "run-1", SandboxSpec(provider="nomad"), None, may_retry=False)
     assert rt.store.leases() == [] and rt.store.get_run("run-1") is None
 
