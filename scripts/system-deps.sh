@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# Install the Debian packages the test suite runs for real: redis-server and postgresql.
+# Install the Debian packages the test suite runs for real: redis-server and postgresql, and
+# docker-compose, which checks docker-compose.yml offline (no Docker engine needed).
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || need+=(postgresql)
+command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
 if [ ${#need[@]} -eq 0 ]; then
   exit 0
 fi
