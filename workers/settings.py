@@ -82,6 +82,9 @@ class Settings(BaseSettings):
     task_soft_time_limit_s: float = Field(default=600.0, gt=0)
     task_time_limit_s: float = Field(default=900.0, gt=0)
     visibility_timeout_s: float = Field(default=3600.0, gt=0)
+    # The Celery queue this installation's tasks are sent to and its workers consume. Two
+    # installations (or test stacks) sharing one Redis each need their own.
+    task_queue: str = Field(default="celery", pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$")
 
     @field_validator("providers", mode="before")
     @classmethod
