@@ -16,10 +16,20 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, Engine, create_engine, event, or_, select, update
+from sqlalchemy import (
+    CursorResult,
+    Engine,
+    Table,
+    create_engine,
+    event,
+    insert,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.pool import NullPool
+from sqlalchemy.pool import QueuePool
 
 from models.schema import (
     FINAL_STATES,
@@ -33,6 +43,9 @@ from models.schema import (
     utcnow,
 )
 from providers.errors import InvalidRequest, NotFound, StoreError, StoreUnavailable
+
+_LEASES = cast(Table, Lease.__table__)
+_EVENTS = cast(Table, LeaseEvent.__table__)
 
 
 def _rowcount(result: Any) -> int:
@@ -66,8 +79,11 @@ class NewLease:
 
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
+        # A small pool per process (the runtime is rebuilt after a fork), so the pragmas
+        # below run once per connection, not once per transaction.
         engine = create_engine(
-            url, poolclass=NullPool, connect_args={"timeout": 30, "check_same_thread": False}
+            url, poolclass=QueuePool, pool_size=2, max_overflow=4,
+            connect_args={"timeout": 30, "check_same_thread": False},
         )
 
         @event.listens_for(engine, "connect")
@@ -184,6 +200,20 @@ class Store:
                 )
             )
 
+    def unfinished_runs_on_leases(self, lease_ids: Sequence[str]) -> list[tuple[Lease, Run]]:
+        """Leases among ``lease_ids`` whose bound run is still running or interrupted."""
+        found: list[tuple[Lease, Run]] = []
+        with self.tx() as s:
+            for start in range(0, len(lease_ids), 500):
+                chunk = list(lease_ids[start:start + 500])
+                found.extend((lease, run) for lease, run in s.execute(
+                    select(Lease, Run).join(Run, Run.run_id == Lease.run_id)
+                    .where(Lease.lease_id.in_(chunk), Run.lease_id == Lease.lease_id,
+                           Run.status.in_([RunStatus.RUNNING, RunStatus.INTERRUPTED]))
+                    .order_by(Lease.created_at)
+                ))
+        return found
+
     # -- runs --------------------------------------------------------------------------
     def start_run(
         self, run_id: str, thread_id: str | None, provider: str, sandbox_key: str
@@ -281,31 +311,39 @@ class Store:
         task_id: str | None = None,
         **values: Any,
     ) -> Lease | None:
-        """Move a lease from one of ``expected`` to ``to``; None if another worker won."""
+        """Move a lease from one of ``expected`` to ``to``; None if another worker won.
+
+        The hot path of every task, so it is plain SQL (no unit of work): read the state,
+        ``UPDATE ... WHERE state = :read AND version = :read RETURNING`` the new row, append
+        the event, all in one transaction. The returned Lease is detached, for reading.
+        """
         expected = frozenset(expected)
+        leases = _LEASES
         with self.tx() as s:
-            query = select(Lease).where(Lease.lease_id == lease_id)
+            query = select(leases.c.state, leases.c.sandbox_key, leases.c.version).where(
+                leases.c.lease_id == lease_id)
             if self._skip_locked:
                 query = query.with_for_update()
-            lease = s.scalar(query)
-            if lease is None:
+            current = s.execute(query).one_or_none()
+            if current is None:
                 raise NotFound(f"no lease {lease_id!r} in the store")
-            if lease.state not in expected:
+            from_state, sandbox_key, version = current
+            if from_state not in expected:
                 return None
-            from_state, sandbox_key, version = lease.state, lease.sandbox_key, lease.version
-            result = s.execute(
-                update(Lease)
-                .where(Lease.lease_id == lease_id, Lease.state == from_state,
-                       Lease.version == version)
-                .values(state=to, updated_at=utcnow(), version=Lease.version + 1,
+            row = s.execute(
+                update(leases)
+                .where(leases.c.lease_id == lease_id, leases.c.state == from_state,
+                       leases.c.version == version)
+                .values(state=to, updated_at=utcnow(), version=leases.c.version + 1,
                         live_key=sandbox_key if to in LIVE_STATES else None, **values)
-                .execution_options(synchronize_session=False)
-            )
-            if _rowcount(result) != 1:
+                .returning(*leases.c)
+            ).one_or_none()
+            if row is None:
                 return None
-            s.add(LeaseEvent(lease_id=lease_id, from_state=from_state, to_state=to,
-                             reason=reason[:2000], task_id=task_id))
-        return self.get_lease(lease_id)
+            s.execute(insert(_EVENTS).values(
+                lease_id=lease_id, at=utcnow(), from_state=from_state, to_state=to,
+                reason=reason[:2000], task_id=task_id))
+        return Lease(**row._mapping)
 
     def touch(self, lease_id: str) -> Lease | None:
         """Record activity: move the idle deadline of an active lease."""

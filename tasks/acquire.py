@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from models.schema import LeaseState, RunStatus, utcnow
+from models.schema import Lease, LeaseState, RunStatus, utcnow
 from models.store import LiveLeaseExists, NewLease
 from providers.base import AcquireOutcome, AcquireRequest, Provider, ResumeOutcome
 from providers.errors import (
@@ -82,7 +82,7 @@ def acquire_lease(
         if lease.state == LeaseState.ACTIVE:
             return _acquisition(AcquireResult.ALREADY_ACQUIRED, run_id, lease)
         if lease.state == LeaseState.PROVISIONING:
-            return _provision(rt, provider, lease.lease_id, run_id, spec, task_id, may_retry)
+            return _provision(rt, provider, lease, run_id, spec, task_id, may_retry)
         if lease.run_id == run_id:
             raise InvalidRequest(
                 f"run {run_id}'s lease {lease.lease_id} already ended ({lease.state}: "
@@ -97,7 +97,7 @@ def acquire_lease(
     lease_id = new_lease_id()
     ttl_s = spec.ttl_s or rt.settings.lease_ttl_s
     try:
-        store.create_intent(NewLease(
+        intent = store.create_intent(NewLease(
             lease_id=lease_id, sandbox_key=key, provider=provider_name,
             provider_lease_id=provider.lease_name(lease_id), reuse=spec.reuse,
             tenant=spec.tenant, thread_id=spec.thread_id, run_id=run_id, spec=spec.redacted(),
@@ -114,7 +114,7 @@ def acquire_lease(
             f"sandbox key {key} already has a live lease; pass reuse=true to share it, "
             "or another sandbox_key"
         ) from None
-    return _provision(rt, provider, lease_id, run_id, spec, task_id, may_retry)
+    return _provision(rt, provider, intent, run_id, spec, task_id, may_retry)
 
 
 def _try_reuse(
@@ -140,11 +140,11 @@ def _try_reuse(
 
 
 def _provision(
-    rt: Runtime, provider: Provider, lease_id: str, run_id: str, spec: SandboxSpec,
+    rt: Runtime, provider: Provider, lease: Lease, run_id: str, spec: SandboxSpec,
     task_id: str | None, may_retry: bool,
 ) -> Acquisition:
     store = rt.store
-    lease = store.get_lease(lease_id)
+    lease_id = lease.lease_id
     request = AcquireRequest(lease_id=lease_id, name=lease.provider_lease_id, spec=spec,
                              labels=labels_for(rt, lease_id, run_id, spec),
                              timeout_s=rt.settings.acquire_timeout_s)

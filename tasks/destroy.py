@@ -51,9 +51,6 @@ def cleanup_delay_s(rt: Runtime, attempts: int) -> float:
 
 def destroy_lease(rt: Runtime, lease_id: str, reason: str, task_id: str | None) -> Destroyed:
     store = rt.store
-    lease = store.get_lease(lease_id)
-    if lease.state in FINAL_STATES:
-        return Destroyed(lease_id, DestroyResult.ALREADY_ENDED, lease.state)
     claimed = store.transition(lease_id, DESTROYABLE, LeaseState.DESTROYING,
                                f"destroy: {reason}", task_id)
     if claimed is None:
