@@ -46,6 +46,7 @@ from providers.errors import InvalidRequest, NotFound, StoreError, StoreUnavaila
 
 _LEASES = cast(Table, Lease.__table__)
 _EVENTS = cast(Table, LeaseEvent.__table__)
+_RUNS = cast(Table, Run.__table__)
 
 
 def _rowcount(result: Any) -> int:
@@ -219,14 +220,16 @@ class Store:
         self, run_id: str, thread_id: str | None, provider: str, sandbox_key: str
     ) -> Run:
         """Insert the run if it is new; return the stored row either way (idempotent)."""
+        runs = _RUNS
         try:
             with self.tx() as s:
-                run = s.get(Run, run_id)
-                if run is None:
-                    run = Run(run_id=run_id, thread_id=thread_id, status=RunStatus.RUNNING,
-                              provider=provider, sandbox_key=sandbox_key)
-                    s.add(run)
-                return run
+                row = s.execute(select(*runs.c).where(runs.c.run_id == run_id)).one_or_none()
+                if row is None:
+                    row = s.execute(insert(runs).values(
+                        run_id=run_id, thread_id=thread_id, status=RunStatus.RUNNING,
+                        provider=provider, sandbox_key=sandbox_key,
+                    ).returning(*runs.c)).one()
+            return Run(**row._mapping)
         except IntegrityError:  # a concurrent insert of the same run won
             run = self.get_run(run_id)
             assert run is not None
@@ -279,28 +282,28 @@ class Store:
     def create_intent(self, new: NewLease, task_id: str | None) -> Lease:
         """Record the lease, with the provider name it will use, before anything exists."""
         now = utcnow()
-        lease = Lease(
-            lease_id=new.lease_id, sandbox_key=new.sandbox_key, live_key=new.sandbox_key,
-            provider=new.provider, provider_lease_id=new.provider_lease_id, backend=None,
-            provider_meta={}, state=LeaseState.PROVISIONING, reuse=new.reuse,
-            tenant=new.tenant, thread_id=new.thread_id, run_id=new.run_id, spec=new.spec,
-            created_at=now, updated_at=now, acquire_deadline_at=new.acquire_deadline_at,
-            deadline_at=new.deadline_at, idle_timeout_s=new.idle_timeout_s,
-        )
         try:
             with self.tx() as s:
-                s.add(lease)
-                s.flush()
-                s.add(LeaseEvent(lease_id=new.lease_id, from_state=None,
-                                 to_state=LeaseState.PROVISIONING,
-                                 reason=f"intent recorded for run {new.run_id}", task_id=task_id))
-                s.execute(update(Run).where(Run.run_id == new.run_id)
+                row = s.execute(insert(_LEASES).values(
+                    lease_id=new.lease_id, sandbox_key=new.sandbox_key,
+                    live_key=new.sandbox_key, provider=new.provider,
+                    provider_lease_id=new.provider_lease_id, backend=None, provider_meta={},
+                    state=LeaseState.PROVISIONING, reuse=new.reuse, tenant=new.tenant,
+                    thread_id=new.thread_id, run_id=new.run_id, spec=new.spec,
+                    created_at=now, updated_at=now, acquire_deadline_at=new.acquire_deadline_at,
+                    deadline_at=new.deadline_at, idle_timeout_s=new.idle_timeout_s,
+                ).returning(*_LEASES.c)).one()
+                s.execute(insert(_EVENTS).values(
+                    lease_id=new.lease_id, at=now, from_state=None,
+                    to_state=LeaseState.PROVISIONING,
+                    reason=f"intent recorded for run {new.run_id}", task_id=task_id))
+                s.execute(update(_RUNS).where(_RUNS.c.run_id == new.run_id)
                           .values(lease_id=new.lease_id, sandbox_key=new.sandbox_key))
         except IntegrityError:
             raise LiveLeaseExists(
                 f"sandbox key {new.sandbox_key!r} already has a live lease"
             ) from None
-        return lease
+        return Lease(**row._mapping)
 
     def transition(
         self,
