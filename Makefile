@@ -29,7 +29,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 
-test: $(STAMP) system-deps kube-binaries
+test: $(STAMP) system-deps kube-binaries lint
 	@bash scripts/run-tests.sh $(PY)
 
 bench: $(STAMP)
