@@ -341,6 +341,7 @@ class LocalProvider:
                     created_at=datetime.fromisoformat(created) if created else None,
                     meta={"pid": ident.pid if ident else None,
                           "alive": bool(ident and _alive(ident))},
+                    exit_code=self.exit_code(LeaseHandle(path.name, self.backend)),
                 )
             )
         return found

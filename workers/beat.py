@@ -10,6 +10,7 @@ SWEEPS = {
     "sweep.reap_runs": "reap_runs_interval_s",
     "sweep.expire_leases": "expire_leases_interval_s",
     "sweep.retry_cleanup": "retry_cleanup_interval_s",
+    "sweep.finish_exited": "finish_exited_interval_s",
 }
 
 

@@ -59,6 +59,7 @@ def up(
     if demo:  # short sweep intervals and detach TTL so the demo shows reaping in seconds
         for key, value in {"REAP_RUNS_INTERVAL_S": "1", "EXPIRE_LEASES_INTERVAL_S": "1",
                            "RETRY_CLEANUP_INTERVAL_S": "2", "RUN_DETACH_TTL_S": "2",
+                           "FINISH_EXITED_INTERVAL_S": "1",
                            "LOCAL_DESTROY_GRACE_S": "2"}.items():
             demo_env.setdefault(f"LEASEKEEPER_{key}", os.environ.get(f"LEASEKEEPER_{key}",
                                                                       value))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,13 +22,14 @@ class Scenario:
     name: str
     spec: dict[str, Any]
     expected_end: str  # the lease's end_reason once the demo is over
+    expected_run: tuple[str, int | None] | None = None  # the run's (status, exit code)
 
 
 SCENARIOS = [
     Scenario("finishes, sandbox reclaimed", {}, "reclaim"),
     Scenario("viewer leaves, run reaped after the detach TTL", {}, "reclaim"),
-    Scenario("sandbox command crashes, resume check says expired",
-             {"command": ["sh", "-c", "sleep 1; exit 3"]}, "not_resumable"),
+    Scenario("sandbox command exits 3: sweep.finish_exited fails the run, sandbox reclaimed",
+             {"command": ["sh", "-c", "sleep 1; exit 3"]}, "reclaim", ("failed", 3)),
     Scenario("idle past its timeout, expired by the sweep", {"idle_timeout_s": 2}, "idle"),
     Scenario("two runs of one thread share a reused sandbox", {"reuse": True}, "requested"),
 ]
@@ -65,8 +65,7 @@ def run_demo(rt: Runtime, count: int, timeout_s: float = 120.0) -> bool:
 
     tail = EventTail(rt.store)
     tail.last_id = _max_event_id(rt.store)
-    expectations: dict[str, Scenario] = {}
-    pending: list[Callable[[], bool]] = []  # follow-up steps, each True when done
+    expectations: dict[str, tuple[Scenario, str]] = {}
     for i in range(count):
         scenario = SCENARIOS[i % len(SCENARIOS)]
         run_id = f"demo-{i}-{uuid.uuid4().hex[:6]}"
@@ -75,16 +74,14 @@ def run_demo(rt: Runtime, count: int, timeout_s: float = 120.0) -> bool:
         lease = producer.acquire_lease(run_id, {"tenant": "demo", "thread_id": thread,
                                                 **scenario.spec}).get(60)
         lease_id = lease["lease_id"]
-        expectations[lease_id] = scenario
+        expectations[lease_id] = (scenario, run_id)
         tail.poll()
         check = producer.check_resumable(lease_id).get(60)
         _say(f"  resume check: {'resumable' if check['resumable'] else check['reason']}")
-        if scenario.expected_end == "reclaim" and i % len(SCENARIOS) == 0:
+        if i % len(SCENARIOS) == 0:
             producer.finish_run(run_id, "completed", 0).get(30)
-        elif scenario.expected_end == "reclaim":
+        elif i % len(SCENARIOS) == 1:
             producer.detach_run(run_id).get(30)
-        elif scenario.expected_end == "not_resumable":
-            pending.append(_recheck_until_expired(producer, lease_id))
         elif scenario.expected_end == "requested":
             second = f"{run_id}-again"
             again = producer.acquire_lease(second, {"tenant": "demo", "thread_id": thread,
@@ -97,20 +94,12 @@ def run_demo(rt: Runtime, count: int, timeout_s: float = 120.0) -> bool:
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        pending = [step for step in pending if not step()]
         tail.poll()
         leases = {lid: rt.store.get_lease(lid) for lid in expectations}
-        if not pending and all(lease.state == LeaseState.DESTROYED for lease in leases.values()):
+        if all(lease.state == LeaseState.DESTROYED for lease in leases.values()):
             break
         time.sleep(0.5)
     return _report(rt, expectations)
-
-
-def _recheck_until_expired(producer: Any, lease_id: str) -> Callable[[], bool]:
-    def step() -> bool:
-        return not producer.check_resumable(lease_id).get(60)["resumable"]
-
-    return step
 
 
 def _max_event_id(store: Store) -> int:
@@ -122,13 +111,15 @@ def _max_event_id(store: Store) -> int:
         return int(s.scalar(select(func.coalesce(func.max(LeaseEvent.id), 0))) or 0)
 
 
-def _report(rt: Runtime, expectations: dict[str, Scenario]) -> bool:
+def _report(rt: Runtime, expectations: dict[str, tuple[Scenario, str]]) -> bool:
     ok = True
     _say("\nsummary:")
-    for lease_id, scenario in expectations.items():
+    for lease_id, (scenario, run_id) in expectations.items():
         lease = rt.store.get_lease(lease_id)
+        run = rt.store.get_run(run_id)
         good = lease.state == LeaseState.DESTROYED and (lease.end_reason or "").startswith(
-            scenario.expected_end)
+            scenario.expected_end) and (scenario.expected_run is None or (
+                run is not None and (run.status, run.exit_code) == scenario.expected_run))
         ok &= good
         _say(f"  {'ok ' if good else 'BAD'} lease {lease_id[-8:]} {lease.state:<10} "
              f"end={lease.end_reason!s:<14} ({scenario.name})")

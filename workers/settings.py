@@ -69,11 +69,20 @@ class Settings(BaseSettings):
     reap_runs_interval_s: float = Field(default=60.0, gt=0)
     expire_leases_interval_s: float = Field(default=60.0, gt=0)
     retry_cleanup_interval_s: float = Field(default=60.0, gt=0)
+    finish_exited_interval_s: float = Field(default=30.0, gt=0)
+    stuck_provisioning_interval_s: float = Field(default=60.0, gt=0)
+    orphans_interval_s: float = Field(default=300.0, gt=0)
     sweep_batch_size: int = Field(default=25, gt=0, le=1000)
     cleanup_batch_size: int = Field(default=20, gt=0, le=1000)
+    orphan_batch_size: int = Field(default=25, gt=0, le=1000)
     cleanup_backoff_s: float = Field(default=300.0, ge=0)
     cleanup_max_attempts: int = Field(default=5, gt=0)
     claim_timeout_s: float = Field(default=300.0, gt=0)
+    # A provider resource with no live lease is destroyed only once it is this old.
+    orphan_grace_s: float = Field(default=600.0, gt=0)
+    # A sweep's single-flight lock in Redis expires after this, so a dead tick never
+    # blocks the next one (row claims keep an overrunning tick safe).
+    sweep_lock_ttl_s: float = Field(default=300.0, gt=0)
 
     # Task retry policy (exponential backoff with full jitter, capped).
     task_max_retries: int = Field(default=5, ge=0)

@@ -1,0 +1,78 @@
+"""``sweep.finish_exited``: a run whose sandbox command ended by itself gets finished.
+
+Every enabled provider lists what it manages; a resource whose ``exit_code`` is known
+(a local process's exit sentinel, a finished Kubernetes Job) finishes the still-running
+run bound to its lease: ``completed`` for exit code 0, ``failed`` otherwise, the exit code
+recorded. It goes through run.finish's own code path (``tasks.runs.finish``), so the
+reclaim is enqueued exactly when run.finish would enqueue it. Unknown (``exit_code`` None)
+is never taken for finished. The guarded finish is the claim: of two overlapping ticks,
+only one changes the run and enqueues its reclaim.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+from models.schema import LeaseState, RunStatus
+from models.store import RunChange
+from tasks.base import LeaseTask
+from tasks.runs import finish
+from tasks.sweeping import Effects, Summary, Tally, list_providers, sweep_task
+from workers.app import app
+from workers.runtime import Runtime
+
+NAME = "sweep.finish_exited"
+
+
+class ExitedOutcome(StrEnum):
+    COMPLETED = "completed"  # exit code 0: the run was finished as completed
+    FAILED = "failed"  # non-zero exit code: the run was finished as failed
+    RECLAIMS_ENQUEUED = "reclaims_enqueued"  # sandbox.reclaim sent for a finished run
+    ALREADY_FINISHED = "already_finished"  # another finish won the guarded update
+    NOT_YET_ACTIVE = "not_yet_active"  # the lease is still provisioning: next tick
+    DEFERRED = "deferred"  # beyond this tick's batch: next tick
+    LIST_FAILED = "list_failed"  # a provider could not list its resources: next tick
+
+
+def finish_exited(rt: Runtime, effects: Effects, dry_run: bool) -> Tally:
+    tally = Tally(ExitedOutcome)
+    exited: dict[str, tuple[str, int]] = {}  # lease id → (provider, exit code)
+    for listing in list_providers(rt):
+        if listing.error is not None:
+            tally.add(ExitedOutcome.LIST_FAILED, listing.provider, listing.error)
+            continue
+        for resource in listing.resources:
+            if resource.exit_code is not None and resource.lease_id:
+                exited[resource.lease_id] = (listing.provider, resource.exit_code)
+    budget = rt.settings.sweep_batch_size
+    for lease, run in rt.store.unfinished_runs_on_leases(list(exited)):
+        provider, code = exited[lease.lease_id]
+        if lease.provider != provider:  # listed by another provider: not this lease's
+            continue
+        if lease.state == LeaseState.PROVISIONING:
+            tally.add(ExitedOutcome.NOT_YET_ACTIVE, lease.lease_id)
+            continue
+        if budget == 0:
+            tally.add(ExitedOutcome.DEFERRED, run.run_id)
+            continue
+        budget -= 1
+        status, outcome = ((RunStatus.COMPLETED, ExitedOutcome.COMPLETED) if code == 0
+                           else (RunStatus.FAILED, ExitedOutcome.FAILED))
+        if dry_run:
+            tally.add(outcome, run.run_id, f"exit code {code}")
+            continue
+        error = None if code == 0 else f"the sandbox command exited with code {code}"
+        change, reclaim_now = finish(rt, run.run_id, status, code, error)
+        if change == RunChange.UNCHANGED:
+            tally.add(ExitedOutcome.ALREADY_FINISHED, run.run_id)
+            continue
+        tally.add(outcome, run.run_id, f"exit code {code}")
+        if reclaim_now:
+            effects.reclaim(run.run_id)
+            tally.add(ExitedOutcome.RECLAIMS_ENQUEUED)
+    return tally
+
+
+@app.task(bind=True, base=LeaseTask, name=NAME)
+def finish_exited_task(self: LeaseTask) -> Summary:
+    return sweep_task(self, NAME, finish_exited)

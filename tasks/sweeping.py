@@ -1,0 +1,157 @@
+"""What every sweep shares: the single-flight lock, outcome tallies, the summary Flower
+shows as the task result, and the seam through which sweeps enqueue follow-up tasks.
+
+A sweep body is ``body(rt, effects, dry_run) -> Tally``. It decides first (reads only),
+then, unless ``dry_run``, claims rows with guarded updates and acts; its tally counts
+every item by an outcome enum. ``run_sweep`` wraps a body in its Redis single-flight lock
+(with an expiry, so a dead sweep never blocks the next) and turns the tally into the
+summary: ``{"sweep": name, "run": ran|skipped|dry_run, "took_ms": ..., <outcome>: count,
+..., "items": ["<outcome> <id>", ...]}``. Every outcome key is always present, so a zero
+is visible too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Protocol
+
+import redis
+
+from models.schema import utcnow
+from providers.base import ManagedResource
+from providers.errors import ConfigError, ProviderError, StoreUnavailable
+from tasks.base import LeaseTask
+from workers.runtime import Runtime
+
+log = logging.getLogger("leasekeeper.sweeps")
+Summary = dict[str, Any]
+MAX_ITEMS = 50  # ids listed in one summary; the counts are always complete
+
+
+class SweepRun(StrEnum):
+    RAN = "ran"
+    SKIPPED = "skipped"  # another tick (another beat, another worker) holds the lock
+    DRY_RUN = "dry_run"  # decided only; nothing was claimed, written or enqueued
+
+
+@dataclass
+class Tally:
+    """Counts by outcome (every member of the enum, zeros included) and the ids behind them."""
+
+    outcomes: type[StrEnum]
+    counts: dict[str, int] = field(default_factory=dict)
+    items: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for member in self.outcomes:
+            self.counts.setdefault(member.value, 0)
+
+    def add(self, outcome: StrEnum, ident: str | None = None, detail: str = "") -> None:
+        self.counts[outcome.value] += 1
+        if ident is not None and len(self.items) < MAX_ITEMS:
+            self.items.append(f"{outcome.value} {ident}{f' ({detail})' if detail else ''}")
+
+    def __getitem__(self, outcome: StrEnum) -> int:
+        return self.counts[outcome.value]
+
+
+class Effects(Protocol):
+    """How a sweep starts follow-up work. Celery in production; a recorder in tests."""
+
+    def reclaim(self, run_id: str) -> None: ...
+
+    def destroy(self, lease_id: str, reason: str) -> None: ...
+
+
+SweepBody = Callable[[Runtime, Effects, bool], Tally]
+
+
+@contextlib.contextmanager
+def single_flight(rt: Runtime, sweep: str) -> Iterator[bool]:
+    """Hold the sweep's Redis lock while the body runs; yield False if another holds it."""
+    lock = rt.redis().lock(f"leasekeeper:sweep:{sweep}",
+                           timeout=max(rt.settings.sweep_lock_ttl_s, 1.0), blocking=False)
+    try:
+        acquired = bool(lock.acquire(blocking=False))
+    except redis.RedisError as exc:
+        raise StoreUnavailable(f"Redis lock for {sweep} unavailable: {exc}") from None
+    try:
+        yield acquired
+    finally:
+        if acquired:
+            # An expired lock (a tick longer than its TTL) is no error: claims kept it safe.
+            with contextlib.suppress(redis.RedisError, redis.exceptions.LockError):
+                lock.release()
+
+
+def run_sweep(rt: Runtime, name: str, body: SweepBody, effects: Effects,
+              dry_run: bool = False) -> Summary:
+    """One tick of a sweep: locked (unless a dry run, which writes nothing), summarised."""
+    started = time.monotonic()
+    if dry_run:
+        return _summary(name, SweepRun.DRY_RUN, body(rt, effects, True), started)
+    with single_flight(rt, name) as mine:
+        if not mine:
+            return {"sweep": name, "run": SweepRun.SKIPPED.value, "took_ms": 0}
+        tally = body(rt, effects, False)
+    summary = _summary(name, SweepRun.RAN, tally, started)
+    if any(tally.counts.values()):
+        log.info("%s: %s", name, {k: v for k, v in summary.items() if k != "items"})
+    return summary
+
+
+def _summary(name: str, run: SweepRun, tally: Tally, started: float) -> Summary:
+    return {"sweep": name, "run": run.value,
+            "took_ms": round((time.monotonic() - started) * 1000), **tally.counts,
+            "items": tally.items}
+
+
+class CeleryEffects:
+    """Follow-up work as lifecycle tasks, so each shows up in Flower on its own."""
+
+    def reclaim(self, run_id: str) -> None:
+        from tasks.reclaim import reclaim
+
+        reclaim.apply_async(kwargs={"run_id": run_id})
+
+    def destroy(self, lease_id: str, reason: str) -> None:
+        from tasks.destroy import destroy
+
+        destroy.apply_async(kwargs={"lease_id": lease_id, "reason": reason})
+
+
+@dataclass(frozen=True)
+class Listing:
+    """What one enabled provider said it manages, and when it was asked."""
+
+    provider: str
+    resources: list[ManagedResource]
+    listed_at: datetime
+    error: str | None = None
+
+
+def list_providers(rt: Runtime) -> list[Listing]:
+    """Ask every enabled provider for its resources; a failing provider is reported, and
+    the others are still swept."""
+    listings = []
+    for name in rt.settings.providers:
+        listed_at = utcnow()
+        try:
+            resources = rt.provider(name).list_managed()
+        except (ProviderError, ConfigError) as exc:
+            log.warning("provider %s could not list its resources: %s", name, exc)
+            listings.append(Listing(name, [], listed_at, str(exc)[:300]))
+            continue
+        listings.append(Listing(name, resources, listed_at))
+    return listings
+
+
+def sweep_task(task: LeaseTask, name: str, body: SweepBody) -> Summary:
+    """A beat tick: no retries (the next tick is the retry); a failure shows in Flower."""
+    return run_sweep(task.runtime, name, body, CeleryEffects())
