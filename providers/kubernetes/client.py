@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -23,7 +24,7 @@ from kubernetes.client import ApiClient, BatchV1Api, Configuration, CoreV1Api, C
 from kubernetes.config.config_exception import ConfigException
 
 from providers.errors import ConfigError
-from providers.kubernetes.errors import kube_errors
+from providers.kubernetes.errors import Permission, kube_errors
 from providers.kubernetes.manifests import SANDBOX_GROUP, SANDBOX_PLURAL, Backend, Manifest
 
 if TYPE_CHECKING:
@@ -33,6 +34,11 @@ Obj = dict[str, Any]
 FOREGROUND = "Foreground"
 _META_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 _META_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
+# The RBAC resource and API group behind each workload kind (deploy/role.yaml grants them).
+_RESOURCES: dict[Backend, tuple[str, str]] = {
+    Backend.SANDBOX_CR: (SANDBOX_PLURAL, SANDBOX_GROUP),
+    Backend.JOB: ("jobs", "batch"),
+}
 
 
 def build_api_client(settings: Settings) -> ApiClient:
@@ -104,10 +110,17 @@ class KubeApi:
     def _sandbox_args(self) -> tuple[str, str, str, str]:
         return (SANDBOX_GROUP, self.sandbox_api_version, self.namespace, SANDBOX_PLURAL)
 
+    def _errors(self, verb: str, resource: str | Backend, action: str, *,
+                sensitive: bool = False) -> AbstractContextManager[None]:
+        """The translation boundary for one call, naming the RBAC rule it needs."""
+        plural, group = _RESOURCES[resource] if isinstance(resource, Backend) else (resource, "")
+        return kube_errors(action, sensitive=sensitive, namespace=self.namespace,
+                           permission=Permission(verb, plural, group))
+
     # -- workloads (Sandbox or Job) -------------------------------------------------------
     def create_workload(self, backend: Backend, manifest: Manifest) -> Obj:
         name = manifest["metadata"]["name"]
-        with kube_errors(f"create {backend.value} {self.namespace}/{name}"):
+        with self._errors("create", backend, f"create {backend.value} {self.namespace}/{name}"):
             match backend:
                 case Backend.SANDBOX_CR:
                     resp = self.custom.create_namespaced_custom_object(
@@ -120,7 +133,7 @@ class KubeApi:
             return _json(resp)
 
     def get_workload(self, backend: Backend, name: str) -> Obj:
-        with kube_errors(f"read {backend.value} {self.namespace}/{name}"):
+        with self._errors("get", backend, f"read {backend.value} {self.namespace}/{name}"):
             match backend:
                 case Backend.SANDBOX_CR:
                     resp = self.custom.get_namespaced_custom_object(
@@ -137,7 +150,7 @@ class KubeApi:
         options: Obj = {"propagationPolicy": FOREGROUND}
         if uid:
             options["preconditions"] = {"uid": uid}
-        with kube_errors(f"delete {backend.value} {self.namespace}/{name}"):
+        with self._errors("delete", backend, f"delete {backend.value} {self.namespace}/{name}"):
             match backend:
                 case Backend.SANDBOX_CR:
                     resp = self.custom.delete_namespaced_custom_object(
@@ -150,7 +163,7 @@ class KubeApi:
             return _json(resp)
 
     def list_workloads(self, backend: Backend, label_selector: str) -> list[Obj]:
-        with kube_errors(f"list {backend.value} in {self.namespace}"):
+        with self._errors("list", backend, f"list {backend.value} in {self.namespace}"):
             match backend:
                 case Backend.SANDBOX_CR:
                     resp = self.custom.list_namespaced_custom_object(
@@ -172,7 +185,8 @@ class KubeApi:
             field_selector=f"metadata.name={name}", resource_version=resource_version,
             timeout_seconds=timeout_s, allow_watch_bookmarks=True,
             _request_timeout=(self.request_timeout_s, timeout_s + self.request_timeout_s))
-        with kube_errors(f"watch sandbox-cr {self.namespace}/{name}"):
+        with self._errors("watch", Backend.SANDBOX_CR,
+                          f"watch sandbox-cr {self.namespace}/{name}"):
             try:
                 for event in stream:
                     yield WatchEvent(str(event["type"]), dict(event["raw_object"]))
@@ -182,7 +196,8 @@ class KubeApi:
     # -- secrets (metadata only on the way in) ----------------------------------------------
     def create_secret(self, manifest: Manifest) -> Obj:
         name = manifest["metadata"]["name"]
-        with kube_errors(f"create Secret {self.namespace}/{name}", sensitive=True):
+        with self._errors("create", "secrets", f"create Secret {self.namespace}/{name}",
+                          sensitive=True):
             resp = self.core.create_namespaced_secret(
                 self.namespace, _body(manifest), _preload_content=False,
                 _request_timeout=self._timeout)
@@ -192,19 +207,22 @@ class KubeApi:
         return obj
 
     def get_secret_metadata(self, name: str) -> Obj:
-        with kube_errors(f"read Secret {self.namespace}/{name}", sensitive=True):
+        with self._errors("get", "secrets", f"read Secret {self.namespace}/{name}",
+                          sensitive=True):
             return _json(self.core.read_namespaced_secret(
                 name, self.namespace, _preload_content=False, _request_timeout=self._timeout,
                 _headers={"Accept": _META_ONLY}))
 
     def delete_secret(self, name: str) -> Obj:
-        with kube_errors(f"delete Secret {self.namespace}/{name}", sensitive=True):
+        with self._errors("delete", "secrets", f"delete Secret {self.namespace}/{name}",
+                          sensitive=True):
             return _json(self.core.delete_namespaced_secret(
                 name, self.namespace, _preload_content=False, _request_timeout=self._timeout,
                 _headers={"Accept": _META_ONLY}))
 
     def list_secret_metadata(self, label_selector: str) -> list[Obj]:
-        with kube_errors(f"list Secrets in {self.namespace}", sensitive=True):
+        with self._errors("list", "secrets", f"list Secrets in {self.namespace}",
+                          sensitive=True):
             return list(_json(self.core.list_namespaced_secret(
                 self.namespace, label_selector=label_selector, _preload_content=False,
                 _request_timeout=self._timeout, _headers={"Accept": _META_LIST}),
@@ -212,17 +230,17 @@ class KubeApi:
 
     # -- pods ---------------------------------------------------------------------------
     def get_pod(self, name: str) -> Obj:
-        with kube_errors(f"read Pod {self.namespace}/{name}"):
+        with self._errors("get", "pods", f"read Pod {self.namespace}/{name}"):
             return _json(self.core.read_namespaced_pod(
                 name, self.namespace, _preload_content=False, _request_timeout=self._timeout))
 
     def delete_pod(self, name: str) -> Obj:
-        with kube_errors(f"delete Pod {self.namespace}/{name}"):
+        with self._errors("delete", "pods", f"delete Pod {self.namespace}/{name}"):
             return _json(self.core.delete_namespaced_pod(
                 name, self.namespace, _preload_content=False, _request_timeout=self._timeout))
 
     def list_pods(self, label_selector: str) -> list[Obj]:
-        with kube_errors(f"list Pods in {self.namespace} ({label_selector})"):
+        with self._errors("list", "pods", f"list Pods in {self.namespace} ({label_selector})"):
             return list(_json(self.core.list_namespaced_pod(
                 self.namespace, label_selector=label_selector, _preload_content=False,
                 _request_timeout=self._timeout)).get("items") or [])

@@ -11,7 +11,8 @@
 
 Which statuses are transient is data (``TRANSIENT_STATUSES``). Messages carry the HTTP status,
 the API's reason and message, and what to do; for Secret operations (``sensitive=True``) the
-API's free-text message is left out, so no Secret content can reach a log.
+API's free-text message is left out, so no Secret content can reach a log. Every call names
+the RBAC ``Permission`` it needs, so a 403 says exactly which verb on which resource to grant.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import contextlib
 import json
 import ssl
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import urllib3.exceptions
@@ -63,6 +65,22 @@ _HINTS: dict[int, str] = {
 }
 
 
+@dataclass(frozen=True)
+class Permission:
+    """The RBAC rule an API call needs: ``verb`` on ``resource`` of API ``group``."""
+
+    verb: str
+    resource: str
+    group: str = ""
+
+    def missing(self, namespace: str) -> str:
+        group = f'"{self.group}"' if self.group else '"" (core)'
+        return (f'the worker\'s identity lacks the RBAC permission to "{self.verb}" '
+                f'"{self.resource}" (API group '
+                f"{group}) in namespace {namespace}: add verb \"{self.verb}\" on resource "
+                f'"{self.resource}" to the worker\'s Role (deploy/role.yaml) and retry')
+
+
 def _status_body(exc: ApiException) -> dict[str, Any]:
     body = exc.body
     if isinstance(body, bytes):
@@ -76,7 +94,8 @@ def _status_body(exc: ApiException) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def describe_api_exception(action: str, exc: ApiException, *, sensitive: bool) -> str:
+def describe_api_exception(action: str, exc: ApiException, *, sensitive: bool,
+                           permission: Permission | None = None, namespace: str = "") -> str:
     status = int(exc.status or 0)
     body = _status_body(exc)
     reason = str(body.get("reason") or exc.reason or "").strip()
@@ -84,15 +103,20 @@ def describe_api_exception(action: str, exc: ApiException, *, sensitive: bool) -
     hint = _HINTS.get(status) or (
         "the API server failed; the task retries with backoff" if status >= 500 else
         "unexpected answer from the API server")
+    if status == 403 and permission is not None:
+        hint = permission.missing(namespace)
     detail = f"HTTP {status} {reason}".strip()
     if message:
         detail += f": {message[:300]}"
     return f"kubernetes: {action} failed ({detail}); {hint}"
 
 
-def translate_api_exception(action: str, exc: ApiException, *, sensitive: bool) -> ProviderError:
+def translate_api_exception(action: str, exc: ApiException, *, sensitive: bool,
+                            permission: Permission | None = None,
+                            namespace: str = "") -> ProviderError:
     status = int(exc.status or 0)
-    text = describe_api_exception(action, exc, sensitive=sensitive)
+    text = describe_api_exception(action, exc, sensitive=sensitive, permission=permission,
+                                  namespace=namespace)
     if status == 404:
         return KubeNotFound(text)
     if status == 409:
@@ -117,14 +141,16 @@ def _is_certificate_error(exc: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def kube_errors(action: str, *, sensitive: bool = False) -> Iterator[None]:
+def kube_errors(action: str, *, sensitive: bool = False, permission: Permission | None = None,
+                namespace: str = "") -> Iterator[None]:
     """Translate every API / transport error raised inside into a ProviderError."""
     try:
         yield
     except ProviderError:
         raise
     except ApiException as exc:
-        error = translate_api_exception(action, exc, sensitive=sensitive)
+        error = translate_api_exception(action, exc, sensitive=sensitive,
+                                        permission=permission, namespace=namespace)
         if sensitive:
             raise error from None
         raise error from exc

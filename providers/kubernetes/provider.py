@@ -8,7 +8,8 @@ Secret ``<name>-env``.
     resume_check  checkLeaseResumable of the seed: expected states never raise.
     job_exit      a Job's phase and its container's exit code.
     destroy       workload (Foreground), pod, Secret; every part attempted, 404 = done.
-    list_managed  everything carrying this installation's label, one entry per workload.
+    list_managed  everything carrying this installation's label, one entry per workload,
+                  with a finished Job's exit code (for sweep.finish_exited).
 
 Manifests come from manifests.py, readings of objects from status.py, API calls from
 client.py (which translates every error); this module only decides.
@@ -77,10 +78,10 @@ from providers.kubernetes.status import (
     JobPhase,
     SandboxPhase,
     belongs_to,
-    container_exit_code,
     controlled_by,
     created_at,
     is_terminating,
+    job_exit_code,
     job_phase,
     labels_of,
     meta,
@@ -193,8 +194,10 @@ class KubernetesProvider:
                     info["pod_name"] = self._await_sandbox(workload.obj, deadline,
                                                            request.timeout_s)
                 case Backend.JOB:
-                    pod = self._job_pod(workload.obj)
-                    info["pod_name"] = name_of(pod) if pod else None
+                    # Pending is fine for a Job (the seed's resume check says so), and its
+                    # pod does not exist yet this early: resume_check and list_managed find
+                    # it by label when they need it, so no request is spent here.
+                    pass
         except Exception as exc:
             self._cleanup_failed_acquire(request.lease_id, LeaseHandle(request.name,
                                                                        backend.value, info), exc)
@@ -422,12 +425,7 @@ class KubernetesProvider:
                 return JobExit(phase, None)
             case JobPhase.SUCCEEDED | JobPhase.FAILED:
                 pods = api.list_pods(f"{JOB_NAME_LABEL}={handle.name}")
-                codes = sorted(
-                    ((str(meta(p).get("creationTimestamp") or ""), code) for p in pods
-                     if controlled_by(p, uid_of(job))
-                     and (code := container_exit_code(p)) is not None),
-                    reverse=True)
-                return JobExit(phase, codes[0][1] if codes else None)
+                return JobExit(phase, job_exit_code(job, pods))
 
     # -- destroy --------------------------------------------------------------------------
     def destroy(self, handle: LeaseHandle) -> DestroyOutcome:
@@ -480,31 +478,45 @@ class KubernetesProvider:
 
     # -- enumerate ------------------------------------------------------------------------
     def list_managed(self) -> list[ManagedResource]:
+        """Four lists by the installation label (Sandboxes, Jobs, Secret metadata, pods),
+        one entry per workload; Secrets and pods whose workload is gone are reported as
+        orphans. A finished Job's entry carries its container's exit code, read from the
+        pods already listed: no request per Job."""
         selector = installation_selector(self.installation)
-        found: dict[str, ManagedResource] = {}
+        workloads: list[tuple[Backend, Obj]] = []
         for backend in Backend:
             try:
-                workloads = self.api.list_workloads(backend, selector)
+                workloads += [(backend, obj)
+                              for obj in self.api.list_workloads(backend, selector)]
             except KubeNotFound:  # the Sandbox CRD is not installed: nothing of that kind
-                workloads = []
-            for obj in workloads:
-                found[name_of(obj)] = self._managed(obj, backend, {
-                    "namespace": self.api.namespace,
-                    "uid": uid_of(obj),
-                    "backend": backend.value,
-                    "api_version": obj.get("apiVersion"),
-                    "secret_name": secret_name(name_of(obj)),
-                    "terminating": is_terminating(obj),
-                })
-        leftovers = [("secret_name", obj) for obj in self.api.list_secret_metadata(selector)]
-        leftovers += [("pod_name", obj) for obj in self.api.list_pods(selector)]
+                continue
+        secrets = self.api.list_secret_metadata(selector)
+        pods = self.api.list_pods(selector)
+        pods_of: dict[str, list[Obj]] = {}
+        for listed in pods:
+            pods_of.setdefault(labels_of(listed).get(LABEL_WORKLOAD, ""), []).append(listed)
+        found: dict[str, ManagedResource] = {}
+        for backend, obj in workloads:
+            name = name_of(obj)
+            own_pods = pods_of.get(name, [])
+            info: Meta = {
+                "namespace": self.api.namespace,
+                "uid": uid_of(obj),
+                "backend": backend.value,
+                "api_version": obj.get("apiVersion"),
+                "secret_name": secret_name(name),
+                "terminating": is_terminating(obj),
+            }
+            chosen = pick_pod(own_pods, uid_of(obj))
+            if chosen is not None:
+                info["pod_name"] = name_of(chosen)
+            exit_code = job_exit_code(obj, own_pods) if backend is Backend.JOB else None
+            found[name] = self._managed(obj, backend, info, exit_code=exit_code)
+        leftovers = [("secret_name", obj) for obj in secrets]
+        leftovers += [("pod_name", obj) for obj in pods]
         for key, obj in leftovers:
             workload = labels_of(obj).get(LABEL_WORKLOAD)
-            if not workload:
-                continue
-            if workload in found:
-                if key == "pod_name":
-                    found[workload].meta.setdefault("pod_name", name_of(obj))
+            if not workload or workload in found:
                 continue
             kind = self._backend_or_none(labels_of(obj).get(LABEL_BACKEND))
             if kind is None:
@@ -521,13 +533,13 @@ class KubernetesProvider:
             return None
 
     @staticmethod
-    def _managed(obj: Obj, backend: Backend, info: Meta, name: str | None = None
-                 ) -> ManagedResource:
+    def _managed(obj: Obj, backend: Backend, info: Meta, name: str | None = None,
+                 exit_code: int | None = None) -> ManagedResource:
         exact = (meta(obj).get("annotations") or {}).get(ANNOTATION_LEASE_ID)
         return ManagedResource(
             name=name or name_of(obj), backend=backend.value,
             lease_id=exact or labels_of(obj).get(LABEL_LEASE_ID),
-            created_at=created_at(obj), meta=info)
+            created_at=created_at(obj), meta=info, exit_code=exit_code)
 
 
 def build_kubernetes_provider(settings: Settings) -> KubernetesProvider:

@@ -213,6 +213,22 @@ def container_exit_code(pod: Obj, container: str = CONTAINER_NAME) -> int | None
     return None
 
 
+def job_exit_code(job: Obj, pods: Iterable[Obj]) -> int | None:
+    """The exit code a finished (Succeeded or Failed) Job's own command ended with: its
+    newest pod's container code. None while the Job runs, and when no pod of this Job
+    (by controller uid) reports a code of its own: a pod being deleted (an active deadline,
+    a destroy) was stopped, it did not end by itself."""
+    if job_phase(job) not in (JobPhase.SUCCEEDED, JobPhase.FAILED):
+        return None
+    owner = uid_of(job)
+    codes = sorted(
+        ((str(meta(p).get("creationTimestamp") or ""), code) for p in pods
+         if controlled_by(p, owner) and not is_terminating(p)
+         and (code := container_exit_code(p)) is not None),
+        reverse=True)
+    return codes[0][1] if codes else None
+
+
 def belongs_to(obj: Obj, lease_id: str, installation: str) -> bool:
     """True when the object's labels (and exact annotation, if present) name this lease
     and installation: the test for adopting an object a 409 revealed."""

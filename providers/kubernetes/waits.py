@@ -2,8 +2,9 @@
 
 ``wait_for`` starts from an object already in hand (the create's answer, or one read), so no
 event between that read and the watch is lost. The watch restarts from the last
-resourceVersion seen when the server ends it early, and from one fresh read when the server
-says 410 Expired. It never sleeps and never polls.
+resourceVersion seen when the server ends it early or the connection breaks (a proxy or load
+balancer cutting a long request), and from one fresh read when the server says 410 Expired.
+It never sleeps and never polls; a watch that keeps failing gives up with the last error.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from providers.kubernetes.status import resource_version
 
 # A watch that the server ends at once, again and again, without any event.
 MAX_EMPTY_RESTARTS = 10
+# Consecutive watch requests that fail with a transient error (dropped connection, 5xx, 429)
+# before the wait gives up and lets the task's retry policy take over.
+MAX_BROKEN_WATCHES = 3
 
 
 class WaitOutcome(StrEnum):
@@ -47,7 +51,7 @@ def wait_for(*, initial: Obj, watch: Watch, reread: Reread, settled: Callable[[O
     if settled(last):
         return WaitResult(WaitOutcome.SETTLED, last)
     rv = resource_version(initial)
-    empty_restarts = 0
+    empty_restarts = broken = 0
     while (remaining := deadline - clock()) > 0:
         saw_event = False
         try:
@@ -70,6 +74,12 @@ def wait_for(*, initial: Obj, watch: Watch, reread: Reread, settled: Callable[[O
             last, rv, saw_event = fresh, resource_version(fresh), True
             if settled(last):
                 return WaitResult(WaitOutcome.SETTLED, last)
+        except TransientProviderError:
+            broken = 1 if saw_event else broken + 1
+            if broken >= MAX_BROKEN_WATCHES:
+                raise
+            continue  # resume from the last resourceVersion seen: nothing is lost
+        broken = 0
         empty_restarts = 0 if saw_event else empty_restarts + 1
         if empty_restarts > MAX_EMPTY_RESTARTS and deadline - clock() > 1:
             raise TransientProviderError(

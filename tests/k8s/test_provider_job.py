@@ -65,3 +65,30 @@ def test_finished_job_is_not_resumable_and_reports_its_exit(
     assert (result.outcome, result.reason) == (ResumeOutcome.NOT_RESUMABLE,
                                               f"Job is {phase.value}")
     assert kenv.provider.job_exit(kenv.handle(request.name, "job")) == (phase, code)
+
+
+def test_list_managed_reports_finished_jobs_exit_codes_in_four_requests(
+        kenv: KubeEnv, kubelet_sim: Any) -> None:
+    if kubelet_sim is None:
+        pytest.skip("exit codes come from the kubelet simulator's processes")
+    # given a Job that exited 7, one that exited 0, one still running, and a Sandbox
+    failed = kenv.request(backend="job", command=["sh", "-c", "exit 7"])
+    succeeded = kenv.request(backend="job", command=["sh", "-c", "exit 0"])
+    running = kenv.request(backend="job", command=["sh", "-c", "while :; do sleep 1; done"])
+    sandbox = kenv.request()
+    for request in (failed, succeeded, running, sandbox):
+        kenv.provider.acquire(request)
+    kenv.wait("job", failed.name, condition_is("Failed"))
+    kenv.wait("job", succeeded.name, condition_is("Complete"))
+    kenv.wait("job", running.name, lambda j: (j or {}).get("status", {}).get("active") == 1)
+    # when listing; then each finished Job carries its container's exit code, from the pods
+    # the listing reads anyway
+    kenv.proxy.reset_counts()
+    found = {r.name: r for r in kenv.provider.list_managed()}
+    assert kenv.proxy.count() == 4
+    assert found[failed.name].exit_code == 7
+    assert found[succeeded.name].exit_code == 0
+    assert found[running.name].exit_code is None
+    assert found[sandbox.name].exit_code is None
+    assert found[failed.name].lease_id == failed.lease_id
+    assert found[failed.name].meta["pod_name"].startswith(f"{failed.name}-")

@@ -4,7 +4,9 @@ errors that must propagate (403, 500)."""
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -200,16 +202,68 @@ def test_resume_real_rbac_403_propagates(kube_cluster: Any, kenv: KubeEnv) -> No
         nobody.api.api_client.close()
 
 
-def test_watch_restarts_after_410_expired(kenv: KubeEnv) -> None:
-    # given the first watch of the acquire answered with 410 Expired
+def _in_background(steps: list[tuple[Callable[[], bool], Callable[[], None]]],
+                   timeout_s: float = 30.0) -> threading.Thread:
+    """Run each (wait until ``condition()``, then ``action()``) in order, in a thread, each
+    wait under a monotonic deadline; the test joins the thread."""
+    def run() -> None:
+        for condition, action in steps:
+            deadline = time.monotonic() + timeout_s
+            while not condition() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            action()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def _watches(kenv: KubeEnv) -> int:
+    return kenv.proxy.count("GET", r"/sandboxes$", query="watch=true")
+
+
+def test_watch_restarts_after_410_expired(kenv: KubeEnv, sandbox_controller: Any) -> None:
+    # given a Sandbox held unready until the acquire's second watch, the first answered 410
+    request = kenv.request()
+    sandbox_controller.never_ready(kenv.namespace, request.name)
     kenv.proxy.fail("GET", r"/sandboxes$", 410, reason="Expired", query="watch=true",
                     message="too old resource version")
-    request = kenv.request()
+    helper = _in_background([(lambda: _watches(kenv) >= 2,
+                              lambda: sandbox_controller.reset(kenv.namespace, request.name))])
     acquired = kenv.provider.acquire(request)
+    helper.join()
     assert acquired.outcome is AcquireOutcome.CREATED
     # then it re-read the Sandbox once and watched again
-    assert kenv.proxy.count("GET", rf"/sandboxes/{request.name}$") >= 1
-    assert kenv.proxy.count("GET", r"/sandboxes$", query="watch=true") >= 2
+    assert kenv.proxy.count("GET", rf"/sandboxes/{request.name}$") == 1
+    assert _watches(kenv) == 2
+
+
+def test_watch_resumes_after_the_connection_is_cut(kenv: KubeEnv,
+                                                  sandbox_controller: Any) -> None:
+    # given an acquire waiting on its watch, whose connection a proxy then cuts
+    request = kenv.request()
+    sandbox_controller.never_ready(kenv.namespace, request.name)
+    helper = _in_background([
+        (lambda: _watches(kenv) >= 1, kenv.proxy.close_streams),
+        (lambda: _watches(kenv) >= 2,
+         lambda: sandbox_controller.reset(kenv.namespace, request.name))])
+    # when the Sandbox becomes Ready after that; then the acquire succeeds on a new watch
+    # from the last resourceVersion, without re-reading the Sandbox
+    acquired = kenv.provider.acquire(request)
+    helper.join()
+    assert acquired.outcome is AcquireOutcome.CREATED
+    assert _watches(kenv) == 2
+    assert kenv.proxy.count("GET", rf"/sandboxes/{request.name}$") == 0
+
+
+def test_watch_that_keeps_failing_gives_up_transient(kenv: KubeEnv,
+                                                    sandbox_controller: Any) -> None:
+    request = kenv.request()
+    sandbox_controller.never_ready(kenv.namespace, request.name)
+    kenv.proxy.fail("GET", r"/sandboxes$", 503, query="watch=true", times=None)
+    with pytest.raises(TransientProviderError, match="HTTP 503"):
+        kenv.provider.acquire(request)
+    assert _watches(kenv) == 3  # waits.MAX_BROKEN_WATCHES, then the task's retry policy
+    kenv.wait("sandbox", request.name, gone)  # and the acquire cleaned up
 
 
 def test_secret_is_readable_by_the_pod(kenv: KubeEnv, kubelet_sim: Any) -> None:

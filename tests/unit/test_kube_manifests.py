@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from pydantic import SecretStr
 
+from providers.kubernetes.errors import Permission, translate_api_exception
 from providers.kubernetes.manifests import (
     IDLE_COMMAND,
     Backend,
@@ -27,6 +28,7 @@ from providers.kubernetes.status import (
     SandboxPhase,
     belongs_to,
     container_exit_code,
+    job_exit_code,
     job_phase,
     pick_pod,
     pod_not_running_reason,
@@ -289,3 +291,38 @@ def test_pod_hint_and_ownership() -> None:
     assert belongs_to(ours, "01jabc", "prod")
     assert not belongs_to(ours, "01jabc", "staging")
     assert not belongs_to(ours, "01jabd", "prod")
+
+
+def exited(name: str, code: int, created: str, owner: str = "job-uid",
+           terminating: bool = False) -> dict[str, Any]:
+    done = pod(name, "Failed" if code else "Succeeded", created, owner, terminating)
+    done["status"]["containerStatuses"] = [
+        {"name": "sandbox", "state": {"terminated": {"exitCode": code}}}]
+    return done
+
+
+def test_job_exit_code_is_the_newest_own_pod_that_ended_by_itself() -> None:
+    failed = {"metadata": {"uid": "job-uid"}, "status": {"failed": 1}}
+    pods = [exited("old", 1, "2026-01-01T00:00:00Z"), exited("new", 7, "2026-01-02T00:00:00Z"),
+            exited("foreign", 9, "2026-01-03T00:00:00Z", owner="other"),
+            exited("killed", 143, "2026-01-04T00:00:00Z", terminating=True)]
+    assert job_exit_code(failed, pods) == 7
+    assert job_exit_code({"metadata": {"uid": "job-uid"}, "status": {"succeeded": 1}},
+                         [exited("ok", 0, "2026-01-01T00:00:00Z")]) == 0
+    # still running, or finished with no code of its own: unknown, never "finished"
+    assert job_exit_code({"metadata": {"uid": "job-uid"}, "status": {"active": 1}}, pods) is None
+    assert job_exit_code(failed, [pod("gone", "Failed", owner="job-uid")]) is None
+    assert job_exit_code(failed, [pods[3]]) is None
+
+
+def test_a_403_names_the_verb_resource_and_group_to_grant() -> None:
+    from kubernetes.client.exceptions import ApiException
+
+    exc = ApiException(status=403, reason="Forbidden")
+    error = translate_api_exception(
+        "watch sandbox-cr ns/lk-x", exc, sensitive=False, namespace="ns",
+        permission=Permission("watch", "sandboxes", "agents.x-k8s.io"))
+    text = str(error)
+    assert text.startswith("kubernetes: watch sandbox-cr ns/lk-x failed (HTTP 403 Forbidden)")
+    assert 'add verb "watch" on resource "sandboxes"' in text
+    assert '"agents.x-k8s.io"' in text and "deploy/role.yaml" in text and "RBAC" in text
