@@ -23,7 +23,6 @@ from sqlalchemy import (
     create_engine,
     event,
     insert,
-    or_,
     select,
     update,
 )
@@ -363,94 +362,4 @@ class Store:
                               updated_at=now))
         return self.get_lease(lease_id)
 
-    # -- sweep claims ------------------------------------------------------------------
-    def _locked(self, query: Any) -> Any:
-        return query.with_for_update(skip_locked=True) if self._skip_locked else query
-
-    def claim_cleanups(self, now: datetime, limit: int, claim_s: float) -> list[str]:
-        """Claim due pending_cleanup leases (oldest first) for one destroy attempt each."""
-        until = now + timedelta(seconds=claim_s)
-        claimed: list[str] = []
-        with self.tx() as s:
-            rows = s.execute(self._locked(
-                select(Lease.lease_id, Lease.next_cleanup_at)
-                .where(Lease.state == LeaseState.PENDING_CLEANUP,
-                       or_(Lease.next_cleanup_at.is_(None), Lease.next_cleanup_at <= now))
-                .order_by(Lease.next_cleanup_at, Lease.created_at).limit(limit)
-            )).all()
-            for lease_id, due in rows:
-                guard = (Lease.next_cleanup_at.is_(None) if due is None
-                         else Lease.next_cleanup_at == due)
-                result = s.execute(update(Lease).where(
-                    Lease.lease_id == lease_id, Lease.state == LeaseState.PENDING_CLEANUP, guard
-                ).values(next_cleanup_at=until))
-                if _rowcount(result) == 1:
-                    claimed.append(lease_id)
-        return claimed
-
-    def stale_destroys(self, now: datetime, limit: int, claim_s: float) -> list[str]:
-        """Leases left in destroying by a worker that died (older than the claim)."""
-        cutoff = now - timedelta(seconds=claim_s)
-        with self.tx() as s:
-            return list(s.scalars(
-                select(Lease.lease_id).where(Lease.state == LeaseState.DESTROYING,
-                                             Lease.updated_at <= cutoff)
-                .order_by(Lease.updated_at).limit(limit)
-            ))
-
-    def due_expiries(self, now: datetime, limit: int) -> list[tuple[str, str]]:
-        """Active leases past their absolute or idle deadline, with which one passed."""
-        with self.tx() as s:
-            rows = s.execute(
-                select(Lease.lease_id, Lease.deadline_at)
-                .where(Lease.state == LeaseState.ACTIVE,
-                       or_(Lease.deadline_at <= now, Lease.idle_deadline_at <= now))
-                .order_by(Lease.updated_at).limit(limit)
-            ).all()
-        return [(lid, "expired" if deadline <= now else "idle") for lid, deadline in rows]
-
-    def claim_detached_runs(self, cutoff: datetime, limit: int, claim_s: float) -> list[str]:
-        """Abort running runs detached at or before ``cutoff`` (inclusive), claimed for reclaim.
-
-        The detached check is repeated in the UPDATE: a viewer that came back (detached
-        cleared) before the claim keeps its run.
-        """
-        now = utcnow()
-        claimed: list[str] = []
-        with self.tx() as s:
-            ids = list(s.scalars(self._locked(
-                select(Run.run_id).where(Run.status == RunStatus.RUNNING,
-                                         Run.detached_since.is_not(None),
-                                         Run.detached_since <= cutoff)
-                .order_by(Run.detached_since).limit(limit)
-            )))
-            for run_id in ids:
-                result = s.execute(update(Run).where(
-                    Run.run_id == run_id, Run.status == RunStatus.RUNNING,
-                    Run.detached_since.is_not(None), Run.detached_since <= cutoff,
-                ).values(status=RunStatus.ABORTED, finished_at=now, cancel_requested=True,
-                         error="detached past its TTL", reclaim_due=True,
-                         reclaim_claimed_until=now + timedelta(seconds=claim_s)))
-                if _rowcount(result) == 1:
-                    claimed.append(run_id)
-        return claimed
-
-    def claim_unreclaimed_runs(self, now: datetime, limit: int, claim_s: float) -> list[str]:
-        """Terminal runs whose reclaim is due and not claimed by a live attempt."""
-        claimed: list[str] = []
-        with self.tx() as s:
-            ids = list(s.scalars(self._locked(
-                select(Run.run_id).where(
-                    Run.status.in_(list(TERMINAL_RUN_STATUSES)), Run.reclaim_due.is_(True),
-                    Run.reclaim_outcome.is_(None),
-                    or_(Run.reclaim_claimed_until.is_(None), Run.reclaim_claimed_until <= now),
-                ).order_by(Run.finished_at).limit(limit)
-            )))
-            for run_id in ids:
-                result = s.execute(update(Run).where(
-                    Run.run_id == run_id, Run.reclaim_outcome.is_(None),
-                    or_(Run.reclaim_claimed_until.is_(None), Run.reclaim_claimed_until <= now),
-                ).values(reclaim_claimed_until=now + timedelta(seconds=claim_s)))
-                if _rowcount(result) == 1:
-                    claimed.append(run_id)
-        return claimed
+    # The sweeps' reads and claims live in models/sweep_store.py.

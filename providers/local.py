@@ -4,9 +4,14 @@ Each lease gets ``<root>/<name>/``: ``lease.json`` (who owns it, pid, process st
 ``work/`` (the sandbox's working directory), ``output.log`` and, when the command ends by
 itself, ``exit_code`` (the exit sentinel). The process is started through ``setsid`` so it
 leads its own process group and outlives the worker that started it; the recorded start
-time guards against pid reuse. Destroy sends SIGTERM to the group, waits on a pidfd up to
-a grace period, then SIGKILL, then removes the directory. A per-lease ``flock`` makes
-acquire and destroy safe against a redelivered task running beside the original.
+time guards against pid reuse. Every sandbox process also carries its workspace path in
+``LEASEKEEPER_WORKSPACE``, so a process is found even when its record lost its pid (a
+worker killed between spawn and record) or its workspace was deleted behind our back:
+destroy kills such stragglers too, and list_managed lists them. Destroy sends SIGTERM to
+the group, waits on a pidfd up to a grace period, then SIGKILL, then removes the directory
+(only once no process is left: the record is the pointer a retried destroy needs). A
+per-lease ``flock`` makes acquire and destroy safe against a redelivered task running
+beside the original.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from providers.errors import (
 )
 
 IDLE_COMMAND = ["sh", "-c", "while :; do sleep 3600; done"]
+MARKER = "LEASEKEEPER_WORKSPACE"
 # The sandbox leader: runs the command, then writes the exit sentinel.
 _WRAPPER = 'cd work && "$@"; echo $? > ../exit_code.tmp && mv ../exit_code.tmp ../exit_code'
 _LAUNCH = 'setsid sh -c "$0" lk-sandbox "$@" </dev/null >>output.log 2>&1 & echo $!'
@@ -84,6 +90,38 @@ def _group_members(pgid: int) -> list[int]:
         if fields[0] not in ("Z", "X") and int(fields[2]) == pgid:
             members.append(int(entry.name))
     return members
+
+
+def _marked_processes(root: Path) -> dict[str, list[int]]:
+    """Live processes whose ``LEASEKEEPER_WORKSPACE`` is a workspace under ``root``, by name."""
+    found: dict[str, list[int]] = {}
+    prefix = f"{MARKER}=".encode()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:
+            continue
+        for var in environ.split(b"\0"):
+            if var.startswith(prefix):
+                workspace = Path(os.fsdecode(var[len(prefix):]))
+                if workspace.parent == root and _start_ticks(int(entry.name)) is not None:
+                    found.setdefault(workspace.name, []).append(int(entry.name))
+                break
+    return found
+
+
+def _started_at(pid: int) -> datetime | None:
+    """When the process started (from its start ticks and the boot time), or None."""
+    ticks = _start_ticks(pid)
+    if ticks is None:
+        return None
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return datetime.fromtimestamp(boot + ticks / os.sysconf("SC_CLK_TCK"), UTC)
+    return None
 
 
 def _alive(ident: ProcessIdentity) -> bool:
@@ -182,6 +220,7 @@ class LocalProvider:
                 return Acquired(AcquireOutcome.ADOPTED, self.backend, self._meta(path, ident))
             if ident is not None:  # a previous attempt started a process that died: clear it
                 self._kill_group(ident)
+            self._kill_marked(request.name)  # one spawned by an attempt killed before recording
             (path / "work").mkdir(parents=True, exist_ok=True)
             with contextlib.suppress(FileNotFoundError):
                 (path / "exit_code").unlink()
@@ -205,6 +244,7 @@ class LocalProvider:
             "LEASEKEEPER_LEASE_ID": request.lease_id,
             **request.spec.env,
             **request.spec.secret_values(),
+            MARKER: str(path),
         }
         launcher = subprocess.run(
             ["sh", "-c", _LAUNCH, _WRAPPER, *command],
@@ -255,20 +295,26 @@ class LocalProvider:
         with self._locked(handle.name):
             path = self._dir(handle.name)
             record = self._read_record(path)
-            if record is None:
+            if record is None and not path.exists() and handle.name not in _marked_processes(
+                    self.root):
                 return DestroyOutcome.ALREADY_GONE
-            ident = self._identity(record)
-            if ident is not None:
-                try:
-                    with _translate("destroy process"):
-                        self._kill_group(ident)
-                except ProviderError as exc:
-                    failures.append(PartFailure("process", exc))
+            ident = self._identity(record or {})
             try:
-                with _translate("destroy workspace"):
-                    shutil.rmtree(path)
+                with _translate("destroy process"):
+                    if ident is not None:
+                        self._kill_group(ident)
+                    self._kill_marked(handle.name)
             except ProviderError as exc:
-                failures.append(PartFailure("workspace", exc))
+                failures.append(PartFailure("process", exc))
+            if failures:  # keep the record: a retried destroy needs it to find the process
+                failures.append(PartFailure("workspace", TransientProviderError(
+                    f"local: kept {path} until its process is gone")))
+            elif path.exists():
+                try:
+                    with _translate("destroy workspace"):
+                        shutil.rmtree(path)
+                except ProviderError as exc:
+                    failures.append(PartFailure("workspace", exc))
         if failures:
             raise DestroyIncomplete.of(handle.name, failures)
         with contextlib.suppress(FileNotFoundError):
@@ -289,6 +335,18 @@ class LocalProvider:
             raise TransientProviderError(
                 f"local: process group {ident.pid} survived SIGKILL for 10 s"
             )
+
+    def _kill_marked(self, name: str) -> None:
+        """SIGKILL every process still carrying this workspace's marker, and wait for them."""
+        deadline = time.monotonic() + 10.0
+        while pids := _marked_processes(self.root).get(name, []):
+            if time.monotonic() > deadline:
+                raise TransientProviderError(
+                    f"local: processes {pids} of {name} survived SIGKILL for 10 s")
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.02)
 
     @staticmethod
     def _signal_group(pgid: int, sig: int, timeout_s: float) -> bool:
@@ -320,28 +378,41 @@ class LocalProvider:
         return True
 
     def list_managed(self) -> list[ManagedResource]:
+        """Every workspace under the root (even one whose record is unreadable) and every
+        marked process whose workspace is gone."""
         if not self.root.is_dir():
             return []
         found: list[ManagedResource] = []
+        marked = _marked_processes(self.root)
         for path in sorted(self.root.iterdir()):
             if not path.is_dir() or not path.name.startswith("lk-"):
                 continue
-            record = self._read_record(path)
-            if record is None or record.get("installation", self.installation_id) != (
-                self.installation_id
-            ):
+            record = self._read_record(path) or {}
+            if record.get("installation", self.installation_id) != self.installation_id:
                 continue
             created = record.get("created_at")
             ident = self._identity(record)
-            found.append(
-                ManagedResource(
-                    name=path.name,
-                    backend=self.backend,
-                    lease_id=record.get("lease_id"),
-                    created_at=datetime.fromisoformat(created) if created else None,
-                    meta={"pid": ident.pid if ident else None,
-                          "alive": bool(ident and _alive(ident))},
-                    exit_code=self.exit_code(LeaseHandle(path.name, self.backend)),
-                )
-            )
+            raw_labels = record.get("labels")
+            labels: dict[str, Any] = raw_labels if isinstance(raw_labels, dict) else {}
+            found.append(ManagedResource(
+                name=path.name,
+                backend=self.backend,
+                lease_id=record.get("lease_id") or path.name.removeprefix("lk-"),
+                created_at=(datetime.fromisoformat(created) if created else
+                            datetime.fromtimestamp(path.stat().st_mtime, UTC)),
+                meta={"pid": ident.pid if ident else None,
+                      "start_ticks": ident.start_ticks if ident else None,
+                      "workspace": str(path),
+                      "alive": bool(ident and _alive(ident)) or path.name in marked,
+                      "tenant": labels.get("leasekeeper.dev/tenant")},
+                exit_code=self.exit_code(LeaseHandle(path.name, self.backend)),
+            ))
+        listed = {r.name for r in found}
+        for name, pids in sorted(marked.items()):
+            if name not in listed and name.startswith("lk-"):
+                found.append(ManagedResource(
+                    name=name, backend=self.backend, lease_id=name.removeprefix("lk-"),
+                    created_at=min((t for t in map(_started_at, pids) if t), default=None),
+                    meta={"pid": None, "stray_pids": pids, "alive": True,
+                          "workspace": str(self.root / name)}))
         return found

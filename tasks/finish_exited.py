@@ -17,9 +17,8 @@ from models.schema import LeaseState, RunStatus
 from models.store import RunChange
 from tasks.base import LeaseTask
 from tasks.runs import finish
-from tasks.sweeping import Effects, Summary, Tally, list_providers, sweep_task
+from tasks.sweeping import Summary, SweepContext, Tally, list_providers, sweep_task
 from workers.app import app
-from workers.runtime import Runtime
 
 NAME = "sweep.finish_exited"
 
@@ -34,8 +33,8 @@ class ExitedOutcome(StrEnum):
     LIST_FAILED = "list_failed"  # a provider could not list its resources: next tick
 
 
-def finish_exited(rt: Runtime, effects: Effects, dry_run: bool) -> Tally:
-    tally = Tally(ExitedOutcome)
+def finish_exited(ctx: SweepContext) -> Tally:
+    rt, tally = ctx.rt, Tally(ExitedOutcome)
     exited: dict[str, tuple[str, int]] = {}  # lease id → (provider, exit code)
     for listing in list_providers(rt):
         if listing.error is not None:
@@ -58,7 +57,7 @@ def finish_exited(rt: Runtime, effects: Effects, dry_run: bool) -> Tally:
         budget -= 1
         status, outcome = ((RunStatus.COMPLETED, ExitedOutcome.COMPLETED) if code == 0
                            else (RunStatus.FAILED, ExitedOutcome.FAILED))
-        if dry_run:
+        if ctx.dry_run:
             tally.add(outcome, run.run_id, f"exit code {code}")
             continue
         error = None if code == 0 else f"the sandbox command exited with code {code}"
@@ -68,7 +67,7 @@ def finish_exited(rt: Runtime, effects: Effects, dry_run: bool) -> Tally:
             continue
         tally.add(outcome, run.run_id, f"exit code {code}")
         if reclaim_now:
-            effects.reclaim(run.run_id)
+            ctx.effects.reclaim(run.run_id)
             tally.add(ExitedOutcome.RECLAIMS_ENQUEUED)
     return tally
 

@@ -1,13 +1,13 @@
 """What every sweep shares: the single-flight lock, outcome tallies, the summary Flower
 shows as the task result, and the seam through which sweeps enqueue follow-up tasks.
 
-A sweep body is ``body(rt, effects, dry_run) -> Tally``. It decides first (reads only),
-then, unless ``dry_run``, claims rows with guarded updates and acts; its tally counts
-every item by an outcome enum. ``run_sweep`` wraps a body in its Redis single-flight lock
-(with an expiry, so a dead sweep never blocks the next) and turns the tally into the
-summary: ``{"sweep": name, "run": ran|skipped|dry_run, "took_ms": ..., <outcome>: count,
-..., "items": ["<outcome> <id>", ...]}``. Every outcome key is always present, so a zero
-is visible too.
+A sweep body is ``body(ctx: SweepContext) -> Tally``. It decides first (reads only), then,
+unless ``ctx.dry_run``, claims rows with guarded updates (models/sweep_store.py) and acts;
+its tally counts every item by an outcome enum. ``run_sweep`` wraps a body in its Redis
+single-flight lock (with an expiry, so a dead sweep never blocks the next) and turns the
+tally into the summary: ``{"sweep": name, "run": ran|skipped|dry_run, "took_ms": ...,
+<outcome>: count, ..., "items": ["<outcome> <id>", ...]}``. Every outcome key is always
+present, so a zero is visible too.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
 
 import redis
 
 from models.schema import utcnow
+from models.sweep_store import SweepStore
 from providers.base import ManagedResource
 from providers.errors import ConfigError, ProviderError, StoreUnavailable
 from tasks.base import LeaseTask
@@ -69,7 +70,21 @@ class Effects(Protocol):
     def destroy(self, lease_id: str, reason: str) -> None: ...
 
 
-SweepBody = Callable[[Runtime, Effects, bool], Tally]
+@dataclass(frozen=True)
+class SweepContext:
+    """What one tick of a sweep works with."""
+
+    rt: Runtime
+    effects: Effects
+    dry_run: bool = False
+    task_id: str | None = None  # recorded on every lease event the tick writes
+
+    @property
+    def claims(self) -> SweepStore:
+        return SweepStore(self.rt.store)
+
+
+SweepBody = Callable[[SweepContext], Tally]
 
 
 @contextlib.contextmanager
@@ -90,16 +105,15 @@ def single_flight(rt: Runtime, sweep: str) -> Iterator[bool]:
                 lock.release()
 
 
-def run_sweep(rt: Runtime, name: str, body: SweepBody, effects: Effects,
-              dry_run: bool = False) -> Summary:
+def run_sweep(name: str, body: SweepBody, ctx: SweepContext) -> Summary:
     """One tick of a sweep: locked (unless a dry run, which writes nothing), summarised."""
     started = time.monotonic()
-    if dry_run:
-        return _summary(name, SweepRun.DRY_RUN, body(rt, effects, True), started)
-    with single_flight(rt, name) as mine:
+    if ctx.dry_run:
+        return _summary(name, SweepRun.DRY_RUN, body(ctx), started)
+    with single_flight(ctx.rt, name) as mine:
         if not mine:
             return {"sweep": name, "run": SweepRun.SKIPPED.value, "took_ms": 0}
-        tally = body(rt, effects, False)
+        tally = body(ctx)
     summary = _summary(name, SweepRun.RAN, tally, started)
     if any(tally.counts.values()):
         log.info("%s: %s", name, {k: v for k, v in summary.items() if k != "items"})
@@ -136,22 +150,27 @@ class Listing:
     error: str | None = None
 
 
+def list_provider(rt: Runtime, name: str) -> Listing:
+    """Ask one provider for its resources; a failure is reported in the listing."""
+    listed_at = utcnow()
+    try:
+        return Listing(name, rt.provider(name).list_managed(), listed_at)
+    except (ProviderError, ConfigError) as exc:
+        log.warning("provider %s could not list its resources: %s", name, exc)
+        return Listing(name, [], listed_at, str(exc)[:300])
+
+
 def list_providers(rt: Runtime) -> list[Listing]:
-    """Ask every enabled provider for its resources; a failing provider is reported, and
-    the others are still swept."""
-    listings = []
-    for name in rt.settings.providers:
-        listed_at = utcnow()
-        try:
-            resources = rt.provider(name).list_managed()
-        except (ProviderError, ConfigError) as exc:
-            log.warning("provider %s could not list its resources: %s", name, exc)
-            listings.append(Listing(name, [], listed_at, str(exc)[:300]))
-            continue
-        listings.append(Listing(name, resources, listed_at))
-    return listings
+    """Every enabled provider's listing; a failing provider does not stop the others."""
+    return [list_provider(rt, name) for name in rt.settings.providers]
+
+
+def naive_utc(moment: datetime) -> datetime:
+    """The store's time format (naive UTC) for a provider's timestamp."""
+    return moment.astimezone(UTC).replace(tzinfo=None) if moment.tzinfo else moment
 
 
 def sweep_task(task: LeaseTask, name: str, body: SweepBody) -> Summary:
     """A beat tick: no retries (the next tick is the retry); a failure shows in Flower."""
-    return run_sweep(task.runtime, name, body, CeleryEffects())
+    return run_sweep(name, body, SweepContext(task.runtime, CeleryEffects(),
+                                              task_id=task.request.id))

@@ -1,42 +1,63 @@
-"""The reaping sweeps celery beat runs: ``sweep.reap_runs``, ``sweep.expire_leases``,
-``sweep.retry_cleanup``.
+"""The store-driven sweeps celery beat runs: ``sweep.reap_runs``, ``sweep.expire_leases``,
+``sweep.retry_cleanup``. (Provider-driven ones: finish_exited.py, stuck.py, orphans.py.)
 
-Every sweep does one bounded batch per tick, holds a single-flight lock in Redis (with an
-expiry, so a dead sweep never blocks the next), claims rows in the store so overlapping
-ticks, two beats or several workers never enqueue the same work twice, and returns a
-summary of counts by outcome, which Flower shows as the task result. The effects are
-lifecycle tasks (``lease.destroy``, ``sandbox.reclaim``) so each shows up in Flower too.
+Each tick handles one bounded batch: it reads what is due (models/sweep_store.py), then
+claims exactly those rows again with every condition re-checked, so overlapping ticks,
+two beats or several workers never do the same work twice; the machinery in sweeping.py
+adds the Redis single-flight lock and the summary Flower shows. The effects are lifecycle
+tasks (``lease.destroy``, ``sandbox.reclaim``), so each shows up in Flower on its own.
+
+Activity, for ``sweep.expire_leases``: only ``lease.touch`` (the producer's
+``touch_lease``), a resumable ``lease.resume_check`` and a reuse of the sandbox by a new
+run of its thread move a lease's idle deadline. Nothing else does: traffic inside a
+sandbox never keeps it alive. The absolute deadline never moves.
 """
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from enum import StrEnum
 
 from models.schema import LeaseState, utcnow
 from tasks.base import LeaseTask
-from tasks.sweeping import Effects, Summary, Tally, sweep_task
+from tasks.sweeping import Summary, SweepContext, Tally, sweep_task
 from workers.app import app
-from workers.runtime import Runtime
+
+log = logging.getLogger("leasekeeper.sweeps")
 
 
 class ReapOutcome(StrEnum):
-    ABORTED_DETACHED = "aborted_detached"  # detached past the TTL: aborted, reclaim sent
+    ABORTED_DETACHED = "aborted_detached"  # detached past the TTL: aborted, cancel recorded
     RECLAIMS_ENQUEUED = "reclaims_enqueued"  # sandbox.reclaim sent (aborted ones included)
+    NOT_CLAIMED = "not_claimed"  # the viewer came back, or another tick won the claim
 
 
-def reap_runs(rt: Runtime, effects: Effects, dry_run: bool) -> Tally:
-    """Abort runs detached past the TTL (inclusive) and reclaim terminal runs' sandboxes."""
-    s = rt.settings
-    tally = Tally(ReapOutcome)
+def reap_runs(ctx: SweepContext) -> Tally:
+    """Abort runs detached past the TTL (inclusive cutoff) and reclaim their sandboxes;
+    re-send the reclaim of terminal runs whose reclaim was lost."""
+    s, claims, tally = ctx.rt.settings, ctx.claims, Tally(ReapOutcome)
     now = utcnow()
     cutoff = now - timedelta(seconds=s.run_detach_ttl_s)
-    aborted = rt.store.claim_detached_runs(cutoff, s.sweep_batch_size, s.claim_timeout_s)
-    for run_id in aborted:
+    detached = claims.due_detached_runs(cutoff, s.sweep_batch_size)
+    lost = claims.due_reclaims(now, s.sweep_batch_size)
+    if ctx.dry_run:
+        for run_id in detached:
+            tally.add(ReapOutcome.ABORTED_DETACHED, run_id)
+        for run_id in lost:
+            tally.add(ReapOutcome.RECLAIMS_ENQUEUED, run_id)
+        return tally
+    aborted = claims.claim_detached_runs(detached, cutoff, s.claim_timeout_s)
+    for _ in range(len(detached) - len(aborted)):
+        tally.add(ReapOutcome.NOT_CLAIMED)
+    due = [run_id for run_id, reclaim_due in aborted if reclaim_due]
+    for run_id, _due in aborted:
         tally.add(ReapOutcome.ABORTED_DETACHED, run_id)
-    due = rt.store.claim_unreclaimed_runs(now, s.sweep_batch_size, s.claim_timeout_s)
-    for run_id in [*aborted, *due]:
-        effects.reclaim(run_id)
+    reclaims = claims.claim_reclaims(lost, now, s.claim_timeout_s)
+    for _ in range(len(lost) - len(reclaims)):
+        tally.add(ReapOutcome.NOT_CLAIMED)
+    for run_id in [*due, *reclaims]:
+        ctx.effects.reclaim(run_id)
         tally.add(ReapOutcome.RECLAIMS_ENQUEUED, run_id)
     return tally
 
@@ -44,42 +65,69 @@ def reap_runs(rt: Runtime, effects: Effects, dry_run: bool) -> Tally:
 class ExpireOutcome(StrEnum):
     EXPIRED = "expired"  # past the absolute deadline: pending_cleanup, destroy sent
     IDLE = "idle"  # past the idle deadline: pending_cleanup, destroy sent
+    NOT_CLAIMED = "not_claimed"  # touched meanwhile, or another tick won the claim
 
 
-def expire_leases(rt: Runtime, effects: Effects, dry_run: bool) -> Tally:
-    """Destroy active leases past their absolute deadline or idle past their timeout."""
-    s = rt.settings
-    tally = Tally(ExpireOutcome)
-    for lease_id, kind in rt.store.due_expiries(utcnow(), s.sweep_batch_size):
-        claimed = rt.store.transition(
-            lease_id, {LeaseState.ACTIVE}, LeaseState.PENDING_CLEANUP,
-            f"{kind}: past its {'absolute deadline' if kind == 'expired' else 'idle timeout'}",
-            end_reason=kind, next_cleanup_at=utcnow() + timedelta(seconds=s.claim_timeout_s),
-        )
-        if claimed is not None:
-            tally.add(ExpireOutcome(kind), lease_id)
-            effects.destroy(lease_id, kind)
+def expire_leases(ctx: SweepContext) -> Tally:
+    """Destroy active leases at or past their absolute deadline or idle deadline."""
+    s, claims, tally = ctx.rt.settings, ctx.claims, Tally(ExpireOutcome)
+    now = utcnow()
+    due = claims.due_expiries(now, s.sweep_batch_size)
+    if ctx.dry_run:
+        for item in due:
+            tally.add(ExpireOutcome(item.kind), item.lease_id)
+        return tally
+    claimed = claims.claim_expiries([d.lease_id for d in due], now, s.claim_timeout_s,
+                                    ctx.task_id)
+    for _ in range(len(due) - len(claimed)):
+        tally.add(ExpireOutcome.NOT_CLAIMED)
+    for item in claimed:
+        tally.add(ExpireOutcome(item.kind), item.lease_id)
+        ctx.effects.destroy(item.lease_id, item.kind)
     return tally
 
 
 class CleanupOutcome(StrEnum):
-    RECOVERED_STALE_DESTROYS = "recovered_stale_destroys"
-    DESTROYS_ENQUEUED = "destroys_enqueued"
+    RECOVERED_STALE_DESTROYS = "recovered_stale_destroys"  # worker died mid-destroy: due again
+    ABANDONED = "abandoned"  # that stale destroy was the last allowed attempt
+    DESTROYS_ENQUEUED = "destroys_enqueued"  # lease.destroy sent for a due pending_cleanup
+    NOT_CLAIMED = "not_claimed"  # another tick (or a destroy) took it first
+    ABANDONED_TOTAL = "abandoned_total"  # gauge: leases waiting for an operator right now
 
 
-def retry_cleanup(rt: Runtime, effects: Effects, dry_run: bool) -> Tally:
-    """Destroy pending_cleanup leases again, oldest due first; recover dead destroy claims."""
-    s = rt.settings
-    tally = Tally(CleanupOutcome)
+def retry_cleanup(ctx: SweepContext) -> Tally:
+    """Destroy pending_cleanup leases again, oldest lease first, each attempt once its
+    backoff has passed (lease.destroy counts attempts and abandons at the cap); recover
+    destroys whose worker died, counting them as failed attempts."""
+    s, claims, tally = ctx.rt.settings, ctx.claims, Tally(CleanupOutcome)
     now = utcnow()
-    for lease_id in rt.store.stale_destroys(now, s.cleanup_batch_size, s.claim_timeout_s):
-        if rt.store.transition(lease_id, {LeaseState.DESTROYING}, LeaseState.PENDING_CLEANUP,
-                               "destroy claim expired (the worker died?)",
-                               next_cleanup_at=now) is not None:
+    stale = claims.due_stale_destroys(now, s.cleanup_batch_size, s.claim_timeout_s)
+    if ctx.dry_run:
+        for lease_id in stale:
             tally.add(CleanupOutcome.RECOVERED_STALE_DESTROYS, lease_id)
-    for lease_id in rt.store.claim_cleanups(now, s.cleanup_batch_size, s.claim_timeout_s):
-        effects.destroy(lease_id, "retry cleanup")
-        tally.add(CleanupOutcome.DESTROYS_ENQUEUED, lease_id)
+    else:
+        moved = claims.recover_stale_destroys(stale, now, s.claim_timeout_s,
+                                              s.cleanup_max_attempts, ctx.task_id)
+        for lease_id, state in moved:
+            if state == LeaseState.ABANDONED:
+                tally.add(CleanupOutcome.ABANDONED, lease_id)
+                log.error("lease %s abandoned: its last allowed destroy died with its worker; "
+                          "run `leasekeeper leases retry %s` to try again", lease_id, lease_id)
+            else:
+                tally.add(CleanupOutcome.RECOVERED_STALE_DESTROYS, lease_id)
+    due = claims.due_cleanups(utcnow(), s.cleanup_batch_size)
+    if ctx.dry_run:
+        for lease_id in due:
+            tally.add(CleanupOutcome.DESTROYS_ENQUEUED, lease_id)
+    else:
+        claimed = claims.claim_cleanups(due, utcnow(), s.claim_timeout_s)
+        for _ in range(len(due) - len(claimed)):
+            tally.add(CleanupOutcome.NOT_CLAIMED)
+        for lease_id in claimed:
+            ctx.effects.destroy(lease_id, "retry cleanup")
+            tally.add(CleanupOutcome.DESTROYS_ENQUEUED, lease_id)
+    tally.counts[CleanupOutcome.ABANDONED_TOTAL.value] = claims.count_in_state(
+        LeaseState.ABANDONED)
     return tally
 
 

@@ -17,7 +17,8 @@ from workers.beat import beat_schedule
 from workers.settings import Settings, get_settings
 
 TASK_MODULES = ["tasks.acquire", "tasks.resume", "tasks.destroy", "tasks.reclaim",
-                "tasks.runs", "tasks.sweeps", "tasks.finish_exited", "tasks.diag"]
+                "tasks.runs", "tasks.sweeps", "tasks.finish_exited", "tasks.stuck",
+                "tasks.orphans", "tasks.diag"]
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

@@ -11,6 +11,8 @@ SWEEPS = {
     "sweep.expire_leases": "expire_leases_interval_s",
     "sweep.retry_cleanup": "retry_cleanup_interval_s",
     "sweep.finish_exited": "finish_exited_interval_s",
+    "sweep.stuck_provisioning": "stuck_provisioning_interval_s",
+    "sweep.orphans": "orphans_interval_s",
 }
 
 

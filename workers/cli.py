@@ -2,6 +2,7 @@
 
     leasekeeper up [--demo N] [--exit-after-demo]   the whole backend on embedded defaults
     leasekeeper db upgrade                          apply the store's migrations
+    leasekeeper reap [--dry-run] [--sweep NAME]     run every sweep once (or show what it would do)
     leasekeeper leases list|show|retry|forget       inspect leases, act on abandoned ones
 """
 
@@ -59,7 +60,8 @@ def up(
     if demo:  # short sweep intervals and detach TTL so the demo shows reaping in seconds
         for key, value in {"REAP_RUNS_INTERVAL_S": "1", "EXPIRE_LEASES_INTERVAL_S": "1",
                            "RETRY_CLEANUP_INTERVAL_S": "2", "RUN_DETACH_TTL_S": "2",
-                           "FINISH_EXITED_INTERVAL_S": "1",
+                           "FINISH_EXITED_INTERVAL_S": "1", "ORPHANS_INTERVAL_S": "2",
+                           "STUCK_PROVISIONING_INTERVAL_S": "2",
                            "LOCAL_DESTROY_GRACE_S": "2"}.items():
             demo_env.setdefault(f"LEASEKEEPER_{key}", os.environ.get(f"LEASEKEEPER_{key}",
                                                                       value))
@@ -102,6 +104,28 @@ def _wait_for_worker(app) -> None:  # type: ignore[no-untyped-def]
         if app.control.ping(timeout=0.5):
             return
     raise LeasekeeperError("the worker did not answer within 60 s; see its log")
+
+
+@cli.command()
+def reap(
+    dry_run: Annotated[bool, typer.Option(help="Only show what each sweep would do now")] = False,
+    sweep: Annotated[list[str] | None, typer.Option(help="Only this sweep (repeatable)")] = None,
+) -> None:
+    """Run every sweep once, as a beat tick would; with --dry-run, change nothing."""
+    from tasks.reap import SWEEPS, reap_once
+
+    unknown = sorted(set(sweep or []) - set(SWEEPS))
+    if unknown:
+        raise typer.BadParameter(f"unknown sweep(s) {', '.join(unknown)}; known: "
+                                 f"{', '.join(SWEEPS)}", param_hint="--sweep")
+    for summary in reap_once(_runtime(), dry_run, sweep):
+        counts = {k: v for k, v in summary.items()
+                  if k not in {"sweep", "run", "took_ms", "items"} and v}
+        verb = "would do" if dry_run else "did"
+        typer.echo(f"{summary['sweep']} ({summary['run']}, {summary['took_ms']} ms): "
+                   + (", ".join(f"{k}={v}" for k, v in counts.items()) or f"{verb} nothing"))
+        for item in summary.get("items", []):
+            typer.echo(f"  {'would: ' if dry_run else ''}{item}")
 
 
 @leases_cli.command("list")

@@ -10,6 +10,7 @@ import pytest
 
 from models.schema import LeaseState, RunStatus, utcnow
 from models.store import LiveLeaseExists, NewLease, RunChange, Store
+from models.sweep_store import SweepStore
 from providers.errors import NotFound
 
 
@@ -117,26 +118,52 @@ def test_run_finish_is_idempotent_and_guarded(store: Store) -> None:
 
 
 def test_detached_cutoff_is_inclusive_and_rechecked(store: Store) -> None:
+    claims = SweepStore(store)
     store.start_run("r1", None, "local", "k1")
     store.start_run("r2", None, "local", "k2")
     store.set_detached("r1", detached=True)
     store.set_detached("r2", detached=True)
     r1 = store.get_run("r1")
-    store.set_detached("r2", detached=False)  # the viewer came back before the sweep
-    claimed = store.claim_detached_runs(r1.detached_since, 10, 5)
-    assert claimed == ["r1"]  # detached_since == cutoff counts (inclusive)
+    decided = claims.due_detached_runs(r1.detached_since, 10)
+    assert "r1" in decided  # detached_since == cutoff counts (inclusive)
+    store.set_detached("r2", detached=False)  # the viewer came back before the claim
+    claimed = claims.claim_detached_runs(["r1", "r2"], r1.detached_since, 5)
+    assert claimed == [("r1", True)]
     assert store.get_run("r1").status == RunStatus.ABORTED
     assert store.get_run("r2").status == RunStatus.RUNNING
-    assert store.claim_detached_runs(utcnow(), 10, 5) == []  # claimed once only
+    assert claims.claim_detached_runs(["r1"], utcnow(), 5) == []  # claimed once only
 
 
 def test_cleanup_claims_are_exclusive(store: Store) -> None:
+    claims = SweepStore(store)
     for i in range(5):
         intent(store, f"l{i}", f"k{i}", run_id=f"run-{i}")
         store.transition(f"l{i}", {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP, "x",
                          next_cleanup_at=utcnow() - timedelta(seconds=10 - i))
-    first = store.claim_cleanups(utcnow(), 3, 60)
-    second = store.claim_cleanups(utcnow(), 3, 60)
-    assert first == ["l0", "l1", "l2"]  # oldest due first, bounded batch
-    assert second == ["l3", "l4"]
-    assert store.claim_cleanups(utcnow(), 3, 60) == []
+    first = claims.claim_cleanups(claims.due_cleanups(utcnow(), 3), utcnow(), 60)
+    second = claims.claim_cleanups(claims.due_cleanups(utcnow(), 3), utcnow(), 60)
+    assert first == ["l0", "l1", "l2"]  # oldest first, bounded batch
+    assert sorted(second) == ["l3", "l4"]
+    assert claims.claim_cleanups(["l0", "l1", "l2", "l3", "l4"], utcnow(), 60) == []
+
+
+def test_concurrent_claims_of_the_same_rows_never_both_win(store: Store) -> None:
+    claims = SweepStore(store)
+    ids = [f"l{i}" for i in range(8)]
+    for i, lease_id in enumerate(ids):
+        intent(store, lease_id, f"k{i}", run_id=f"run-{i}")
+        store.transition(lease_id, {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP, "x",
+                         next_cleanup_at=utcnow())
+    won: list[list[str]] = []
+    barrier = threading.Barrier(4)
+
+    def claim() -> None:
+        barrier.wait()
+        won.append(claims.claim_cleanups(ids, utcnow(), 60))
+
+    threads = [threading.Thread(target=claim) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert sorted(lease_id for batch in won for lease_id in batch) == ids  # each exactly once

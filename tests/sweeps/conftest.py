@@ -114,3 +114,28 @@ def concurrently(calls: list[Callable[[], Any]]) -> list[Any]:
     if errors:
         raise errors[0]
     return results
+
+
+def set_lease(rt: Runtime, lease_id: str, **values: Any) -> None:
+    """Write lease columns directly (to place deadlines exactly; behind the system's back)."""
+    from sqlalchemy import update
+
+    from models.schema import Lease
+
+    with rt.store.tx() as s:
+        s.execute(update(Lease).where(Lease.lease_id == lease_id).values(**values))
+
+
+def set_run(rt: Runtime, run_id: str, **values: Any) -> None:
+    from sqlalchemy import update
+
+    from models.schema import Run
+
+    with rt.store.tx() as s:
+        s.execute(update(Run).where(Run.run_id == run_id).values(**values))
+
+
+def events_to(rt: Runtime, lease_id: str, state: str, containing: str = "") -> int:
+    """How many of the lease's events moved it to ``state`` (with ``containing`` in the reason)."""
+    return sum(1 for e in rt.store.events(lease_id)
+               if e.to_state == state and containing in e.reason)

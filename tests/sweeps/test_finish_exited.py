@@ -12,6 +12,7 @@ import pytest
 from models.schema import LeaseState, ReclaimOutcome, RunStatus
 from providers.faulty import FaultPlan
 from tasks.finish_exited import ExitedOutcome, finish_exited
+from tasks.sweeping import SweepContext
 from tests.e2e.conftest import eventually
 from tests.stack import WorkerStack
 from tests.sweeps.conftest import Recorder, acquire, concurrently
@@ -37,20 +38,20 @@ def test_exit_zero_completes_the_run_and_enqueues_its_reclaim(
 ) -> None:
     lease_id = acquire(rt, "run-ok", command=["sh", "-c", "exit 0"])
     assert exited(rt, lease_id) == 0
-    tally = finish_exited(rt, effects, False)
+    tally = finish_exited(SweepContext(rt, effects))
     assert tally[ExitedOutcome.COMPLETED] == 1 and tally[ExitedOutcome.RECLAIMS_ENQUEUED] == 1
     run = rt.store.get_run("run-ok")
     assert (run.status, run.exit_code, run.error) == (RunStatus.COMPLETED, 0, None)
     assert effects.reclaims == ["run-ok"]
     # Idempotent: the run is no longer running, so the next tick finds nothing to do.
-    again = finish_exited(rt, effects, False)
+    again = finish_exited(SweepContext(rt, effects))
     assert sum(again.counts.values()) == 0 and effects.reclaims == ["run-ok"]
 
 
 def test_non_zero_exit_fails_the_run_with_its_code(rt: Runtime, effects: Recorder) -> None:
     lease_id = acquire(rt, "run-bad", command=["sh", "-c", "exit 3"])
     assert exited(rt, lease_id) == 3
-    assert finish_exited(rt, effects, False)[ExitedOutcome.FAILED] == 1
+    assert finish_exited(SweepContext(rt, effects))[ExitedOutcome.FAILED] == 1
     run = rt.store.get_run("run-bad")
     assert run.status == RunStatus.FAILED and run.exit_code == 3
     assert run.error == "the sandbox command exited with code 3"
@@ -70,7 +71,7 @@ def test_unknown_is_never_finished(rt: Runtime, effects: Recorder) -> None:
     listed = {r.lease_id: r for r in rt.provider("local").list_managed()}
     assert listed[running].exit_code is None and listed[killed].exit_code is None
     assert not listed[killed].meta["alive"]
-    tally = finish_exited(rt, effects, False)
+    tally = finish_exited(SweepContext(rt, effects))
     assert sum(tally.counts.values()) == 0 and effects.reclaims == []
     for run_id in ("run-running", "run-killed"):
         assert rt.store.get_run(run_id).status == RunStatus.RUNNING
@@ -82,7 +83,7 @@ def test_a_reused_sandbox_outlives_its_run_as_after_run_finish(
     lease_id = acquire(rt, "run-reused", command=["sh", "-c", "exit 0"], reuse=True,
                        thread_id="t-1")
     exited(rt, lease_id)
-    tally = finish_exited(rt, effects, False)
+    tally = finish_exited(SweepContext(rt, effects))
     assert tally[ExitedOutcome.COMPLETED] == 1 and tally[ExitedOutcome.RECLAIMS_ENQUEUED] == 0
     assert rt.store.get_run("run-reused").reclaim_due is False and effects.reclaims == []
 
@@ -93,7 +94,7 @@ def test_provider_failing_to_list_is_reported_and_the_others_still_swept(
     lease_id = acquire(rt, "run-local", command=["sh", "-c", "exit 0"])
     exited(rt, lease_id)
     faults.write({"list_managed": [{"fault": "transient", "times": 1}]})
-    tally = finish_exited(rt, effects, False)
+    tally = finish_exited(SweepContext(rt, effects))
     assert tally[ExitedOutcome.LIST_FAILED] == 1 and tally[ExitedOutcome.COMPLETED] == 1
     assert any("faulty" in item and "injected" in item for item in tally.items)
 
@@ -101,7 +102,7 @@ def test_provider_failing_to_list_is_reported_and_the_others_still_swept(
 def test_dry_run_changes_nothing(rt: Runtime, effects: Recorder) -> None:
     lease_id = acquire(rt, "run-dry", command=["sh", "-c", "exit 4"])
     exited(rt, lease_id)
-    tally = finish_exited(rt, effects, True)
+    tally = finish_exited(SweepContext(rt, effects, dry_run=True))
     assert tally[ExitedOutcome.FAILED] == 1 and "failed run-dry (exit code 4)" in tally.items
     assert rt.store.get_run("run-dry").status == RunStatus.RUNNING and effects.reclaims == []
 
@@ -110,7 +111,7 @@ def test_overlapping_ticks_finish_each_run_once(rt: Runtime, effects: Recorder) 
     leases = [acquire(rt, f"run-{i}", command=["sh", "-c", f"exit {i}"]) for i in range(4)]
     for lease_id in leases:
         exited(rt, lease_id)
-    tallies = concurrently([lambda: finish_exited(rt, effects, False)] * 3)
+    tallies = concurrently([lambda: finish_exited(SweepContext(rt, effects))] * 3)
     finished = sum(t[ExitedOutcome.COMPLETED] + t[ExitedOutcome.FAILED] for t in tallies)
     assert finished == 4
     assert sorted(effects.reclaims) == [f"run-{i}" for i in range(4)]  # each exactly once

@@ -1,0 +1,151 @@
+"""sweep.stuck_provisioning: a lease left provisioning past its acquire deadline (its worker
+died mid-acquire) is adopted when the provider has it healthy and ours, and destroyed
+through the normal cleanup path otherwise."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from models.schema import LeaseState, RunStatus, utcnow
+from models.store import NewLease
+from providers.base import AcquireRequest, ManagedResource
+from providers.local import LocalProvider, ProcessIdentity, _alive
+from providers.spec import SandboxSpec
+from tasks.stuck import StuckOutcome, stuck_provisioning
+from tasks.sweeping import SweepContext
+from tests.sweeps.conftest import Recorder, concurrently, events_to, set_lease
+from workers.runtime import Runtime
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def half_acquired(rt: Runtime, run_id: str, created: bool = True, **spec: object) -> str:
+    """What a worker killed mid-acquire leaves: the run, the intent and (maybe) the
+    provider's resource, but no transition to active. Its acquire deadline has passed."""
+    lease_id = uuid.uuid4().hex[:24]
+    provider = rt.provider("local")
+    rt.store.start_run(run_id, None, "local", f"key-{run_id}")
+    rt.store.create_intent(NewLease(
+        lease_id=lease_id, sandbox_key=f"key-{run_id}", provider="local",
+        provider_lease_id=provider.lease_name(lease_id), reuse=False, tenant="acme",
+        thread_id=None, run_id=run_id, spec={}, acquire_deadline_at=utcnow(),
+        deadline_at=utcnow() + timedelta(hours=1), idle_timeout_s=60), None)
+    if created:
+        provider.acquire(AcquireRequest(
+            lease_id=lease_id, name=provider.lease_name(lease_id),
+            spec=SandboxSpec.model_validate(spec), labels={}, timeout_s=10))
+    return lease_id
+
+
+def test_healthy_resource_of_ours_is_adopted(rt: Runtime, effects: Recorder) -> None:
+    lease_id = half_acquired(rt, "run-1")
+    tally = stuck_provisioning(SweepContext(rt, effects))
+    assert tally[StuckOutcome.ADOPTED] == 1 and effects.destroys == []
+    lease = rt.store.get_lease(lease_id)
+    assert lease.state == LeaseState.ACTIVE and lease.backend == "process"
+    assert _alive(ProcessIdentity(lease.provider_meta["pid"], lease.provider_meta["start_ticks"]))
+    assert lease.idle_deadline_at > utcnow() and lease.ready_at is not None
+    assert events_to(rt, lease_id, LeaseState.ACTIVE, "adopted by sweep.stuck_provisioning") == 1
+    assert rt.store.get_run("run-1").status == RunStatus.RUNNING
+
+
+def test_nothing_created_is_destroyed_through_cleanup_and_its_run_failed(
+    rt: Runtime, effects: Recorder
+) -> None:
+    lease_id = half_acquired(rt, "run-1", created=False)
+    effects.inline = True
+    tally = stuck_provisioning(SweepContext(rt, effects))
+    assert tally[StuckOutcome.DESTROY_ENQUEUED] == 1
+    lease = rt.store.get_lease(lease_id)
+    assert lease.state == LeaseState.DESTROYED and lease.end_reason == "acquire_stuck"
+    assert events_to(rt, lease_id, LeaseState.PENDING_CLEANUP, "no resource under its name") == 1
+    run = rt.store.get_run("run-1")
+    assert run.status == RunStatus.FAILED and "acquire did not complete" in (run.error or "")
+
+
+def test_unhealthy_resource_is_destroyed(rt: Runtime, effects: Recorder) -> None:
+    lease_id = half_acquired(rt, "run-1", command=["sh", "-c", "exit 9"])
+
+
+    deadline = time.monotonic() + 10
+    while not any(r.exit_code is not None for r in rt.provider("local").list_managed()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    effects.inline = True
+    tally = stuck_provisioning(SweepContext(rt, effects))
+    assert tally[StuckOutcome.DESTROY_ENQUEUED] == 1
+    assert "exited with code 9" in (rt.store.get_lease(lease_id).last_error or "")
+    assert rt.store.get_lease(lease_id).state == LeaseState.DESTROYED
+    assert rt.provider("local").list_managed() == []
+
+
+def test_another_leases_resource_under_its_name_is_never_destroyed(
+    rt: Runtime, effects: Recorder
+) -> None:
+    lease_id = half_acquired(rt, "run-1")
+    record = Path(rt.settings.effective_local_root) / f"lk-{lease_id}" / "lease.json"
+    data = json.loads(record.read_text())
+    record.write_text(json.dumps({**data, "lease_id": "someone-else"}))
+    tally = stuck_provisioning(SweepContext(rt, effects))
+    assert tally[StuckOutcome.CONFLICT] == 1 and effects.destroys == []
+    assert rt.store.get_lease(lease_id).state == LeaseState.ABANDONED
+    assert rt.provider("local").list_managed()[0].meta["alive"]
+
+
+def test_deadline_is_inclusive_and_a_future_one_untouched(rt: Runtime, effects: Recorder) -> None:
+    due = half_acquired(rt, "run-due")
+    waiting = half_acquired(rt, "run-waiting")
+    set_lease(rt, due, acquire_deadline_at=utcnow())
+    set_lease(rt, waiting, acquire_deadline_at=utcnow() + timedelta(minutes=1))
+    assert stuck_provisioning(SweepContext(rt, effects))[StuckOutcome.ADOPTED] == 1
+    assert rt.store.get_lease(waiting).state == LeaseState.PROVISIONING
+
+
+class AcquireFinishesFirst(LocalProvider):
+    """The late acquire moves the lease to active while the sweep is listing."""
+
+    lease_id = ""
+    rt: Runtime | None = None
+
+    def list_managed(self) -> list[ManagedResource]:
+        assert self.rt is not None
+        self.rt.store.transition(self.lease_id, {LeaseState.PROVISIONING}, LeaseState.ACTIVE,
+                                 "ready (acquire)")
+        return super().list_managed()
+
+
+def test_the_acquire_finishing_first_wins(rt: Runtime, effects: Recorder) -> None:
+    lease_id = half_acquired(rt, "run-1")
+    racing = AcquireFinishesFirst(rt.settings.effective_local_root, "default", 2)
+    racing.lease_id, racing.rt = lease_id, rt
+    rt.put_provider(racing)
+    tally = stuck_provisioning(SweepContext(rt, effects))
+    assert tally[StuckOutcome.ACQUIRE_WON] == 1 and tally[StuckOutcome.ADOPTED] == 0
+    assert events_to(rt, lease_id, LeaseState.ACTIVE) == 1
+
+
+def test_overlapping_ticks_reconcile_each_lease_once(rt: Runtime, effects: Recorder) -> None:
+    adopt = [half_acquired(rt, f"run-a{i}") for i in range(3)]
+    drop = [half_acquired(rt, f"run-d{i}", created=False) for i in range(3)]
+    tallies = concurrently([lambda: stuck_provisioning(SweepContext(rt, effects))] * 3)
+    assert sum(t[StuckOutcome.ADOPTED] for t in tallies) == 3
+    assert sum(t[StuckOutcome.DESTROY_ENQUEUED] for t in tallies) == 3
+    assert sorted(lid for lid, _ in effects.destroys) == sorted(drop)
+    for lease_id in adopt + drop:
+        assert len([e for e in rt.store.events(lease_id)
+                    if e.from_state == LeaseState.PROVISIONING]) == 1
+
+
+def test_dry_run_changes_nothing(rt: Runtime, effects: Recorder) -> None:
+    adopt, drop = half_acquired(rt, "run-1"), half_acquired(rt, "run-2", created=False)
+    tally = stuck_provisioning(SweepContext(rt, effects, dry_run=True))
+    assert tally[StuckOutcome.ADOPTED] == 1 and tally[StuckOutcome.DESTROY_ENQUEUED] == 1
+    for lease_id in (adopt, drop):
+        assert rt.store.get_lease(lease_id).state == LeaseState.PROVISIONING
+    assert effects.destroys == []
