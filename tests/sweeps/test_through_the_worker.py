@@ -112,7 +112,7 @@ def test_two_beats_never_do_the_same_work_twice(stack: WorkerStack) -> None:
         producer.detach_run(run_id).get(30)
     exited = [acquire({"command": ["sh", "-c", "exit 7"]}) for _ in range(3)]
     everything = idle + [lid for _, lid in detached + exited]
-    with beats(stack, 2, interval_s=1.0, tag=uuid.uuid4().hex[:6]) as logs:
+    with beats(stack.env, stack.root, 2, interval_s=1.0, tag=uuid.uuid4().hex[:6]) as logs:
         deadline = time.monotonic() + 120
         while not all(destroyed(rt, lid) for lid in everything):
             assert time.monotonic() < deadline, "the sweeps did not converge"
