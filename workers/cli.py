@@ -160,10 +160,11 @@ def leases_retry(lease_id: str) -> None:
 
 @leases_cli.command("forget")
 def leases_forget(lease_id: str, reason: Annotated[str, typer.Option()] = "by operator") -> None:
-    """Mark an abandoned lease destroyed: the operator removed it by hand."""
+    """Mark an abandoned lease destroyed: the operator removed it by hand. (If it is in
+    fact still there, sweep.orphans finds it and cleans it up with fresh attempts.)"""
     moved = _runtime().store.transition(
         lease_id, {LeaseState.ABANDONED}, LeaseState.DESTROYED,
-        f"operator: forgotten ({reason})", end_reason="forgotten")
+        f"operator: forgotten ({reason})", end_reason="forgotten", cleanup_attempts=0)
     typer.echo("forgotten" if moved else "only abandoned leases can be forgotten")
     raise typer.Exit(0 if moved else 1)
 

@@ -4,11 +4,12 @@ warning and counted; `leasekeeper leases retry|forget` act on abandoned leases."
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import sys
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import pytest
 from models.schema import LeaseState, utcnow
 from providers.faulty import FaultPlan
 from tasks.destroy import DestroyResult, destroy_lease
+from tasks.orphans import OrphanOutcome, orphans
 from tasks.sweeping import SweepContext
 from tasks.sweeps import CleanupOutcome, retry_cleanup
 from tests.stack import REPO
@@ -164,6 +166,15 @@ def test_operator_retry_gives_an_abandoned_lease_fresh_attempts_and_forget_ends_
     lease = rt.store.get_lease(forgotten)
     assert lease.state == LeaseState.DESTROYED and lease.end_reason == "forgotten"
     assert "operator: forgotten (deleted by hand)" in cli(rt, "leases", "show", forgotten).stdout
+    # It was not, in fact, deleted: sweep.orphans finds it and cleans it up, with fresh
+    # attempts (forget resets them), and the provider now works.
+    record = Path(rt.settings.effective_local_root) / "faulty" / f"lk-{forgotten}" / "lease.json"
+    data = json.loads(record.read_text())
+    old = (datetime.now(UTC) - timedelta(hours=1)).isoformat()
+    record.write_text(json.dumps({**data, "created_at": old}))
+    assert orphans(SweepContext(rt, effects))[OrphanOutcome.REVIVED] == 1
+    assert rt.store.get_lease(forgotten).state == LeaseState.DESTROYED
+    assert rt.provider("faulty").list_managed() == []
     # Only abandoned leases take either command.
     assert cli(rt, "leases", "retry", retried).returncode == 1
     assert cli(rt, "leases", "forget", retried).returncode == 1
