@@ -77,17 +77,28 @@ class WorkerStack:
         return self.root / "worker.log"
 
     def start_worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
+        return self.await_worker(self.spawn_worker(concurrency))
+
+    def spawn_worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
+        """Start a worker without waiting for it (``await_worker`` waits)."""
         self.node += 1
-        hostname = f"{self.name}-{self.node}@test"
         with open(self.logfile, "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-P", "prefork",
-                 "-c", str(concurrency), "-E", "-n", hostname, "--without-gossip",
-                 "--without-mingle", "-l", "info"],
+                 "-c", str(concurrency), "-E", "-n", self.hostname(self.node),
+                 "--without-gossip", "--without-mingle", "-l", "info"],
                 cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
         self.procs.append(proc)
+        return proc
+
+    def hostname(self, node: int) -> str:
+        return f"{self.name}-{node}@test"
+
+    def await_worker(self, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+        """Wait until the worker ``proc`` (from spawn_worker) answers a ping."""
+        hostname = self.hostname(self.procs.index(proc) + 1)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if proc.poll() is not None:

@@ -107,6 +107,7 @@ class KubeCluster(ClusterAccess):
         service_account_admission: bool = False,
         extra_apiserver_args: Sequence[str] = (),
         startup_timeout: float = 90.0,
+        before_controllers: Callable[[client.ApiClient], None] | None = None,
     ) -> None:
         self.bin_dir = Path(bin_dir)
         self.authorization_mode = authorization_mode
@@ -122,6 +123,10 @@ class KubeCluster(ClusterAccess):
         self.service_account_admission = service_account_admission
         self.extra_apiserver_args = list(extra_apiserver_args)
         self.startup_timeout = startup_timeout
+        # Runs once the API server is up, before the controller manager starts: the garbage
+        # collector only notices resource types that appear later on its 30 s rediscovery,
+        # so CRDs installed here are collected (Foreground deletes finish) from the start.
+        self.before_controllers = before_controllers
         self.processes: list[ManagedProcess] = []
         self.api_port = 0
         self.etcd_port = 0
@@ -146,6 +151,9 @@ class KubeCluster(ClusterAccess):
         try:
             self._prepare_files()
             self._start_with_port_retries()
+            if self.before_controllers is not None:
+                with self.api_client() as api:
+                    self.before_controllers(api)
             if self.start_controller_manager:
                 self._start_controller_manager()
         except BaseException:

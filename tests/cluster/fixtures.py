@@ -83,7 +83,8 @@ def kube_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClusterAc
     except BinariesUnavailable as exc:
         pytest.fail(f"Kubernetes test binaries unavailable: {exc}", pytrace=False)
     mode = cast(AuthorizationMode, os.environ.get(ENV_AUTHZ, "RBAC"))
-    started = KubeCluster(bin_dir, authorization_mode=mode, static_users=STATIC_USERS)
+    started = KubeCluster(bin_dir, authorization_mode=mode, static_users=STATIC_USERS,
+                          before_controllers=install_sandbox_crd)
     with started:
         yield started
 
@@ -118,28 +119,42 @@ def sandbox_controller(kube_api: client.ApiClient,
         yield controller
 
 
+def new_fault_proxy(cluster: ClusterAccess, workdir: Path) -> FaultProxy:
+    """A fault proxy (not started) in front of ``cluster``'s API server."""
+    ca = cluster.ca if isinstance(cluster, KubeCluster) else None
+    return FaultProxy(cluster.api_url, upstream_ca=cluster.ca_file, token=cluster.admin_token,
+                      ca=ca, workdir=workdir)
+
+
+def create_namespace(api: client.ApiClient) -> str:
+    """A fresh namespace ``lk-<random>``."""
+    name = f"lk-{secrets.token_hex(4)}"
+    client.CoreV1Api(api).create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    return name
+
+
+def delete_namespace(api: client.ApiClient, name: str) -> None:
+    """Delete a namespace without waiting (404 is fine)."""
+    try:
+        client.CoreV1Api(api).delete_namespace(name, propagation_policy="Background")
+    except client.ApiException as exc:
+        if exc.status != 404:
+            raise
+
+
 @pytest.fixture
 def fault_proxy(kube_cluster: ClusterAccess,
                 tmp_path_factory: pytest.TempPathFactory) -> Iterator[FaultProxy]:
     """A fresh fault proxy in front of the API server; ``kubeconfig_path`` uses the admin
     token through the proxy; ``kubeconfig_for_token(token)`` for other identities."""
-    ca = kube_cluster.ca if isinstance(kube_cluster, KubeCluster) else None
-    proxy = FaultProxy(kube_cluster.api_url, upstream_ca=kube_cluster.ca_file,
-                       token=kube_cluster.admin_token, ca=ca,
-                       workdir=tmp_path_factory.mktemp("proxy"))
-    with proxy:
+    with new_fault_proxy(kube_cluster, tmp_path_factory.mktemp("proxy")) as proxy:
         yield proxy
 
 
 @pytest.fixture
 def k8s_namespace(kube_api: client.ApiClient) -> Iterator[str]:
     """A fresh namespace (``lk-<random>``), deleted after the test (without waiting)."""
-    name = f"lk-{secrets.token_hex(4)}"
-    core = client.CoreV1Api(kube_api)
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+    name = create_namespace(kube_api)
     yield name
-    try:
-        core.delete_namespace(name, propagation_policy="Background")
-    except client.ApiException as exc:
-        if exc.status != 404:
-            raise
+    delete_namespace(kube_api, name)

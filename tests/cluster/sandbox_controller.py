@@ -8,7 +8,8 @@ the ``agents.x-k8s.io/pod-name`` annotation) from ``spec.podTemplate`` with the
 SandboxSuspended / SandboxExpired; Finished; Suspended), ``status.selector``, ``status.podIPs``
 and ``status.nodeName``, honours ``spec.shutdownTime`` + ``shutdownPolicy`` and suspension
 (v1alpha1 ``replicas: 0`` / v1beta1 ``operatingMode: Suspended``). Tests can make it never
-create a pod (``never_ready``) or report a Sandbox as failed (``mark_failed``).
+create a pod (``never_ready``), report a Sandbox as failed (``mark_failed``), or stop
+reconciling one (``freeze``: its status then lags its pod, as a slow controller's does).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ STORAGE_VERSION = "v1beta1"
 NAME_HASH_LABEL = "agents.x-k8s.io/sandbox-name-hash"
 POD_NAME_ANNOTATION = "agents.x-k8s.io/pod-name"
 CRD_PATH = Path(__file__).with_name("sandbox-crd.yaml")
-Behaviour = Literal["normal", "never-ready", "failed"]
+Behaviour = Literal["normal", "never-ready", "failed", "frozen"]
 
 
 def name_hash(name: str) -> str:
@@ -98,6 +99,7 @@ class SandboxController:
         self._overrides: dict[tuple[str, str | None], tuple[Behaviour, str]] = {}
         self._queue: queue.Queue[str | None] = queue.Queue()
         self._lock = threading.Lock()
+        self._reconciling = threading.Lock()  # held by the worker around each reconcile
         self._timers: set[threading.Timer] = set()
         self._stopping = threading.Event()
         self.sandboxes = Informer(
@@ -117,6 +119,12 @@ class SandboxController:
                     message: str = "simulated pod failure") -> None:
         """Report Sandbox ``name`` (or all of the namespace) as Ready=False PodFailed, Finished."""
         self._set(namespace, name, "failed", message)
+
+    def freeze(self, namespace: str, name: str | None = None) -> None:
+        """Stop reconciling Sandbox ``name`` (or all of the namespace): its status stays as
+        it is now, whatever happens to its pod. Returns once no reconcile is in flight."""
+        with self._reconciling:
+            self._set(namespace, name, "frozen", "")
 
     def reset(self, namespace: str, name: str | None = None) -> None:
         self._set(namespace, name, None, "")
@@ -201,7 +209,8 @@ class SandboxController:
             if key is None or self._stopping.is_set():
                 return
             try:
-                self.reconcile(key)
+                with self._reconciling:
+                    self.reconcile(key)
             except client.ApiException as exc:
                 if exc.status in (404, 409):
                     continue
@@ -214,6 +223,8 @@ class SandboxController:
     def reconcile(self, key: str) -> None:
         sandbox = self.sandboxes.get(key)
         if sandbox is None or sandbox["metadata"].get("deletionTimestamp"):
+            return
+        if self._behaviour(sandbox)[0] == "frozen":
             return
         self.reconciles += 1
         meta, spec = sandbox["metadata"], sandbox.get("spec") or {}

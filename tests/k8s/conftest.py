@@ -1,26 +1,46 @@
 """Owns the wiring of the Kubernetes provider's integration tests: the cluster harness
-fixtures (tests/cluster) plus ``kenv``, a provider in a fresh namespace that reaches the real
-API server through a fault proxy (rules, request counts), and an admin client beside it."""
+fixtures (tests/cluster) plus
+- ``kenv``: a provider in a fresh namespace that reaches the real API server through a fault
+  proxy (rules, request counts), and an admin client beside it;
+- ``kube_stack``: a real Celery worker (tests/stack.py) whose provider is ``kubernetes``, in
+  its own namespace, installation id, fault proxy, SQLite store and task queue, driven
+  through the producer API the way a web backend drives it. Workers start one test ahead
+  (``KubeStackPool``), so a fresh worker per test costs no waiting.
+"""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
 import secrets
-from collections.abc import Iterator
-from dataclasses import dataclass
+import signal
+import subprocess
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 from kubernetes import client
 
+from models.schema import Lease, Run
+from models.store import Store
 from providers.base import AcquireRequest, LeaseHandle
 from providers.kubernetes.provider import KubernetesProvider, build_kubernetes_provider
 from providers.spec import SandboxSpec
+from tests.cluster.cluster import ClusterAccess
 from tests.cluster.fault_proxy import FaultProxy
 from tests.cluster.fixtures import *  # noqa: F403
+from tests.cluster.fixtures import create_namespace, delete_namespace, new_fault_proxy
+from tests.cluster.fixtures import prebuild_binaries as _prebuild_binaries
 from tests.cluster.waits import wait_for_object
+from tests.services import RedisServer
 from workers.settings import Settings
+
+if TYPE_CHECKING:  # both import the Celery app, which must not happen before
+    # tests/conftest.py's pytest_configure has pointed it at the test broker
+    from tests.stack import WorkerStack
 
 GROUP, PLURAL = "agents.x-k8s.io", "sandboxes"
 Obj = dict[str, Any]
@@ -113,3 +133,155 @@ def kenv(kube_cluster: Any, kube_api: client.ApiClient, kubelet_sim: Any,
     provider = build_kubernetes_provider(settings)
     yield KubeEnv(k8s_namespace, installation, fault_proxy, kube_api, provider)
     provider.api.api_client.close()
+
+
+# -- a real worker on the kubernetes provider -------------------------------------------------
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _prebuild_binaries(session)  # a cold build must not run inside the first test's timeout
+
+
+@dataclass
+class KubeStack:
+    """A worker whose only provider is ``kubernetes``. ``env`` reads and waits on the real
+    objects with the admin client; ``env.provider`` (same namespace and installation) talks to
+    the API server directly, so the proxy counts only the worker's requests."""
+
+    stack: WorkerStack
+    env: KubeEnv
+    queue: str
+    worker: subprocess.Popen[bytes]
+
+    @functools.cached_property
+    def store(self) -> Store:
+        return Store(self.stack.store_url)
+
+    @property
+    def proxy(self) -> FaultProxy:
+        return self.env.proxy
+
+    @property
+    def namespace(self) -> str:
+        return self.env.namespace
+
+    def lease(self, lease_id: str) -> Lease:
+        return self.store.get_lease(lease_id)
+
+    def run(self, run_id: str) -> Run:
+        run = self.store.get_run(run_id)
+        assert run is not None, f"no run {run_id}"
+        return run
+
+    def worker_log(self) -> str:
+        return self.stack.logfile.read_text(errors="replace")
+
+    def store_dump(self) -> str:
+        """Every row of every table, as text (to look for values that must not be there)."""
+        import sqlalchemy as sa
+
+        engine = sa.create_engine(self.stack.store_url)
+        try:
+            with engine.connect() as conn:
+                return "\n".join(str(row) for table in ("leases", "runs", "lease_events")
+                                 for row in conn.execute(sa.text(f"select * from {table}")))
+        finally:
+            engine.dispose()
+
+
+@dataclass
+class KubeStackPool:
+    """Hands out a fresh ``KubeStack`` per test and starts the next one meanwhile."""
+
+    make: Callable[[], KubeStack]
+    spare: KubeStack | None = None
+    retired: list[KubeStack] = field(default_factory=list)
+
+    def take(self) -> KubeStack:
+        current = self.spare or self.make()
+        self.spare = self.make()
+        current.stack.await_worker(current.worker)
+        return current
+
+    def retire(self, done: KubeStack) -> None:
+        """Stop the worker without waiting (its queue, namespace and proxy are its own)."""
+        done.proxy.clear_rules()
+        _signal_worker(done.worker, signal.SIGTERM)
+        done.store.dispose()
+        self.retired.append(done)
+
+    def close(self) -> None:
+        stacks = self.retired + ([self.spare] if self.spare else [])
+        for ks in stacks:
+            _signal_worker(ks.worker, signal.SIGTERM)
+        for ks in stacks:
+            try:
+                ks.worker.wait(20)
+            except subprocess.TimeoutExpired:
+                _signal_worker(ks.worker, signal.SIGKILL)
+                ks.worker.wait(5)
+            ks.proxy.stop()
+            ks.env.provider.api.api_client.close()
+            delete_namespace(ks.env.admin, ks.namespace)
+
+
+def _signal_worker(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, sig)
+
+
+def worker_env(proxy: FaultProxy, namespace: str, installation: str,
+               queue: str) -> dict[str, str]:
+    """The worker settings of a kubernetes-only installation reaching the cluster through
+    ``proxy``."""
+    return {
+        "LEASEKEEPER_PROVIDERS": "kubernetes",
+        "LEASEKEEPER_PROVIDER": "kubernetes",
+        "LEASEKEEPER_KUBE_CONFIG_PATH": str(proxy.kubeconfig_path),
+        "LEASEKEEPER_KUBE_NAMESPACE": namespace,
+        "LEASEKEEPER_INSTALLATION_ID": installation,
+        "LEASEKEEPER_TASK_QUEUE": queue,
+        "LEASEKEEPER_KUBE_REQUEST_TIMEOUT_S": "10",
+    }
+
+
+@pytest.fixture(scope="session")
+def kube_stack_pool(kube_cluster: ClusterAccess, kube_api: client.ApiClient, kubelet_sim: Any,
+                    sandbox_controller: Any, redis_server: RedisServer,
+                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeStackPool]:
+    from models.migrate import upgrade
+    from tests.stack import WorkerStack
+
+    def make() -> KubeStack:
+        root = tmp_path_factory.mktemp("kube-stack")
+        namespace = create_namespace(kube_api)
+        installation = f"it-{secrets.token_hex(3)}"
+        queue = f"k8s-{namespace}"
+        proxy = new_fault_proxy(kube_cluster, root / "proxy").start()
+        store_url = f"sqlite:///{root / 'store.db'}"
+        upgrade(store_url)
+        stack = WorkerStack(name=queue, store_url=store_url, root=root,
+                            broker_url=redis_server.url,
+                            extra_env=worker_env(proxy, namespace, installation, queue))
+        direct = build_kubernetes_provider(
+            provider_settings(kube_cluster.kubeconfig_path, namespace, installation))
+        env = KubeEnv(namespace, installation, proxy, kube_api, direct)
+        return KubeStack(stack, env, queue, stack.spawn_worker(concurrency=2))
+
+    pool = KubeStackPool(make)
+    yield pool
+    pool.close()
+
+
+@pytest.fixture
+def kube_stack(kube_stack_pool: KubeStackPool) -> Iterator[KubeStack]:
+    """A fresh kubernetes worker stack; this test process sends tasks to its queue."""
+    from workers.app import app
+
+    ks = kube_stack_pool.take()
+    previous = app.conf.task_default_queue
+    app.conf.task_default_queue = ks.queue
+    try:
+        yield ks
+    finally:
+        app.conf.task_default_queue = previous
+        kube_stack_pool.retire(ks)
