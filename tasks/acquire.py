@@ -192,7 +192,10 @@ def _cleanup_failed(rt: Runtime, lease_id: str, cause: ProviderError, task_id: s
                             reclaim_due=False, claim_until=None)
     done = destroy_lease(rt, lease_id, "acquire failed", task_id)
     if done.error is not None:
-        raise AcquireCleanupIncomplete.of(lease_id, cause, done.error) from None
+        # A provider that cleans up after itself (kubernetes) already raised this error
+        # type: report its acquire error once, not nested inside a second report.
+        first = cause.__cause__ if isinstance(cause, AcquireCleanupIncomplete) else None
+        raise AcquireCleanupIncomplete.of(lease_id, first or cause, done.error) from None
 
 
 def _acquisition(result: AcquireResult, run_id: str, lease: Any) -> Acquisition:

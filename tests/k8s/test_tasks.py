@@ -326,6 +326,7 @@ def test_acquire_cleanup_failure_leaves_pending_cleanup_without_secrets(
     text = str(info.value)
     assert f"acquisition of lease {lease.lease_id} failed and cleanup was incomplete" in text
     assert "HTTP 422" in text and "HTTP 500" in text
+    assert text.count("cleanup was incomplete") == 1  # said once, not nested
     assert lease.state == LeaseState.PENDING_CLEANUP and lease.end_reason == "acquire_failed"
     assert ks.run(run_id).status == RunStatus.FAILED
     # the Sandbox is still there, and the store says so
