@@ -26,7 +26,6 @@ from tests.services import (
     wait_for_port,
 )
 from tests.stack import REPO
-from workers.app import create_app
 from workers.runtime import Runtime
 from workers.settings import Settings
 
@@ -60,6 +59,9 @@ class ChaosCluster:
 
     def client(self) -> Celery:
         """A Celery client on this installation's broker, as a web backend would hold."""
+        from workers.app import create_app  # not at import: conftests load before the
+        # session's broker is configured, and workers.app builds its app on import
+
         app = create_app(self.settings())
         app.conf.broker_connection_retry_on_startup = True
         return app
@@ -127,6 +129,7 @@ class ChaosCluster:
                  "-c", "max_connections=200"],
                 stdout=log, stderr=subprocess.STDOUT, **_as_postgres())
         wait_for_port(self.postgres.port, 30, self.postgres.proc)
+        accepting_connections(self.postgres)
         self.count("store_outages")
 
     def stop(self) -> None:
@@ -139,6 +142,21 @@ class ChaosCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
+
+
+def accepting_connections(postgres: PostgresServer, timeout_s: float = 30.0) -> None:
+    """Wait past "the database system is starting up" (the port opens before that)."""
+    import psycopg
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            psycopg.connect(postgres.url().replace("+psycopg", ""), connect_timeout=2).close()
+            return
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def _children(ppid: int) -> list[int]:

@@ -8,12 +8,15 @@ import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from tests.chaos.cluster import ChaosCluster
 from tests.chaos.targets import ChaosTarget, LocalTarget
 from tests.services import free_port, start_postgres, start_redis
+
+if TYPE_CHECKING:
+    from tests.chaos.cluster import ChaosCluster
 
 # Short lifetimes, claims and backoffs, so everything the attack leaves behind is due for
 # a sweep within seconds; beat runs every sweep every second.
@@ -58,10 +61,13 @@ def target(request: pytest.FixtureRequest, chaos_root: Path) -> ChaosTarget:
 @pytest.fixture
 def chaos(target: ChaosTarget, chaos_root: Path) -> Iterator[ChaosCluster]:
     from models.migrate import upgrade
+    from tests.chaos.cluster import ChaosCluster, accepting_connections  # not at load time:
+    # they import the Celery app, whose broker is set only in pytest_configure
 
     root = chaos_root
     redis = start_redis(root / "redis", free_port())
     postgres = start_postgres(root / "postgres")
+    accepting_connections(postgres)
     cluster = ChaosCluster(
         root=root, redis=redis, postgres=postgres,
         store_url=postgres.create_database(f"chaos_{uuid.uuid4().hex[:8]}"),
