@@ -77,6 +77,22 @@ def rt(store_url: str, tmp_path: Path) -> Iterator[Runtime]:
 
 
 @pytest.fixture
+def runtime_with(store_url: str, tmp_path: Path) -> Iterator[Callable[..., Runtime]]:
+    """Runtimes with other settings, over the test's store; each cleaned up afterwards."""
+    made: list[Runtime] = []
+
+    def make(**overrides: Any) -> Runtime:
+        made.append(make_runtime(store_url, tmp_path, **overrides))
+        return made[-1]
+
+    yield make
+    (tmp_path / "faults.json").unlink(missing_ok=True)
+    for runtime in made:
+        destroy_everything(runtime)
+        runtime.store.dispose()
+
+
+@pytest.fixture
 def effects(rt: Runtime) -> Recorder:
     return Recorder(rt)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from providers.spec import SandboxSpec
 from tasks.destroy import destroy_lease
 from tasks.orphans import OrphanOutcome, orphans
 from tasks.sweeping import SweepContext
-from tests.sweeps.conftest import Recorder, acquire, concurrently, events_to, make_runtime
+from tests.sweeps.conftest import Recorder, acquire, concurrently, events_to
 from workers.runtime import Runtime
 
 pytestmark = pytest.mark.timeout(90)
@@ -70,8 +71,8 @@ def test_orphan_is_recorded_and_destroyed(rt: Runtime, effects: Recorder) -> Non
     assert sum(orphans(SweepContext(rt, effects)).counts.values()) == 0
 
 
-def test_grace_period_is_respected_and_inclusive(store_url: str, tmp_path: Path) -> None:
-    rt = make_runtime(store_url, tmp_path, orphan_grace_s=60)
+def test_grace_period_is_respected_and_inclusive(runtime_with: Callable[..., Runtime]) -> None:
+    rt = runtime_with(orphan_grace_s=60)
     effects = Recorder(rt)
     young, old = acquire(rt, "run-young"), acquire(rt, "run-old")
     for lease_id in (young, old):
@@ -82,7 +83,6 @@ def test_grace_period_is_respected_and_inclusive(store_url: str, tmp_path: Path)
     assert tally[OrphanOutcome.WITHIN_GRACE] == 1 and tally[OrphanOutcome.RECORDED] == 1
     assert [lid for lid, _ in effects.destroys] == [old]
     assert rt.store.find_lease(young) is None
-    rt.store.dispose()
 
 
 def test_resources_of_live_cleaning_and_abandoned_leases_are_left_alone(
@@ -137,7 +137,7 @@ def test_a_destroy_recorded_after_the_listing_is_not_revived(rt: Runtime) -> Non
 
 
 def test_a_process_whose_workspace_was_deleted_is_still_found(
-    rt: Runtime, effects: Recorder
+    rt: Runtime, runtime_with: Callable[..., Runtime]
 ) -> None:
     import shutil
 
@@ -147,13 +147,11 @@ def test_a_process_whose_workspace_was_deleted_is_still_found(
     shutil.rmtree(Path(rt.settings.effective_local_root) / f"lk-{lease_id}")
     (stray,) = rt.provider("local").list_managed()
     assert stray.lease_id == lease_id and stray.meta["stray_pids"] and stray.created_at
-    rt2 = make_runtime(rt.settings.effective_store_url, Path(rt.settings.var_dir),
-                       orphan_grace_s=0.01)
+    rt2 = runtime_with(orphan_grace_s=0.01)
     effects2 = Recorder(rt2, inline=True)
     assert orphans(SweepContext(rt2, effects2))[OrphanOutcome.RECORDED] == 1
     assert not pid_alive(pid) and rt.provider("local").list_managed() == []
     assert rt.store.get_lease(lease_id).state == LeaseState.DESTROYED
-    rt2.store.dispose()
 
 
 def test_overlapping_ticks_record_and_destroy_each_orphan_once(

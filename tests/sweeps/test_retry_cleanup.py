@@ -9,6 +9,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -26,7 +27,6 @@ from tests.sweeps.conftest import (
     acquire,
     concurrently,
     events_to,
-    make_runtime,
     set_lease,
 )
 from workers.runtime import Runtime
@@ -39,8 +39,8 @@ def mark_for_cleanup(rt: Runtime, lease_id: str) -> None:
                                "test: needs cleanup", next_cleanup_at=utcnow())
 
 
-def test_oldest_lease_first_within_the_batch(store_url: str, tmp_path: Path) -> None:
-    rt = make_runtime(store_url, tmp_path, cleanup_batch_size=2)
+def test_oldest_lease_first_within_the_batch(runtime_with: Callable[..., Runtime]) -> None:
+    rt = runtime_with(cleanup_batch_size=2)
     effects = Recorder(rt)
     leases = [acquire(rt, f"run-{i}", provider="noop") for i in range(3)]
     base = utcnow() - timedelta(hours=1)
@@ -52,13 +52,12 @@ def test_oldest_lease_first_within_the_batch(store_url: str, tmp_path: Path) -> 
     assert [lid for lid, _ in effects.destroys] == [leases[1], leases[2]]
     retry_cleanup(SweepContext(rt, effects))  # the next tick takes the rest
     assert [lid for lid, _ in effects.destroys][2:] == [leases[0]]
-    rt.store.dispose()
 
 
 def test_backoff_then_cap_then_abandoned_logged_and_counted(
-    store_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    runtime_with: Callable[..., Runtime], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    rt = make_runtime(store_url, tmp_path, cleanup_backoff_s=30, cleanup_max_attempts=3)
+    rt = runtime_with(cleanup_backoff_s=30, cleanup_max_attempts=3)
     effects = Recorder(rt, inline=True)
     faults = FaultPlan(tmp_path / "faults.json")
     lease_id = acquire(rt, "run-1", provider="faulty")
@@ -81,13 +80,12 @@ def test_backoff_then_cap_then_abandoned_logged_and_counted(
     assert sum(v for k, v in retry_cleanup(SweepContext(rt, effects)).counts.items()
                if k != "abandoned_total") == 0  # an abandoned lease is never retried alone
     assert len(rt.provider("faulty").list_managed()) == 1  # and its sandbox still accounted for
-    rt.store.dispose()
 
 
 def test_a_destroy_whose_worker_died_is_recovered_and_counted_as_an_attempt(
-    store_url: str, tmp_path: Path
+    runtime_with: Callable[..., Runtime],
 ) -> None:
-    rt = make_runtime(store_url, tmp_path, claim_timeout_s=5, cleanup_max_attempts=2)
+    rt = runtime_with(claim_timeout_s=5, cleanup_max_attempts=2)
     effects = Recorder(rt)
     first, second = acquire(rt, "run-1"), acquire(rt, "run-2")
     for lease_id in (first, second):  # a worker claimed the destroy, then died
@@ -100,7 +98,6 @@ def test_a_destroy_whose_worker_died_is_recovered_and_counted_as_an_attempt(
     assert rt.store.get_lease(first).cleanup_attempts == 1
     assert rt.store.get_lease(second).state == LeaseState.ABANDONED
     assert effects.destroys == [(first, "retry cleanup")]  # recovered and retried at once
-    rt.store.dispose()
 
 
 def test_a_destroy_still_within_its_claim_is_left_alone(rt: Runtime, effects: Recorder) -> None:
