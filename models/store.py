@@ -347,6 +347,18 @@ class Store:
                 reason=reason[:2000], task_id=task_id))
         return Lease(**row._mapping)
 
+    def extend_acquire_deadline(self, run_id: str, until: datetime) -> int:
+        """Push the acquire deadline of the run's provisioning lease out to ``until``.
+
+        A retried or redelivered acquire is still at work: ``sweep.stuck_provisioning`` must
+        not take its lease meanwhile. Returns the number of leases moved (0 or 1).
+        """
+        with self.tx() as s:
+            return _rowcount(s.execute(
+                update(_LEASES).where(_LEASES.c.run_id == run_id,
+                                      _LEASES.c.state == LeaseState.PROVISIONING)
+                .values(acquire_deadline_at=until)))
+
     def touch(self, lease_id: str) -> Lease | None:
         """Record activity: move the idle deadline of an active lease."""
         with self.tx() as s:

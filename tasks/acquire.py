@@ -82,6 +82,8 @@ def acquire_lease(
         if lease.state == LeaseState.ACTIVE:
             return _acquisition(AcquireResult.ALREADY_ACQUIRED, run_id, lease)
         if lease.state == LeaseState.PROVISIONING:
+            # This attempt is alive: keep sweep.stuck_provisioning off the lease meanwhile.
+            store.extend_acquire_deadline(run_id, later(rt.settings.acquire_timeout_s))
             return _provision(rt, provider, lease, run_id, spec, task_id, may_retry)
         if lease.run_id == run_id:
             raise InvalidRequest(
@@ -226,6 +228,12 @@ def _safe(exc: ValueError) -> str:
 @app.task(bind=True, base=LeaseTask, name="lease.acquire")
 def acquire(self: LeaseTask, run_id: str, spec: dict[str, Any] | None = None) -> dict[str, Any]:
     run_id, parsed = parse_acquire(run_id, spec)
-    with self.retrying():
-        done = acquire_lease(self.runtime, run_id, parsed, self.request.id, self.may_retry)
+    rt = self.runtime
+
+    def keep_provisioning(countdown_s: float) -> None:
+        # The retry will pick the lease up again: its deadline covers the wait and the try.
+        rt.store.extend_acquire_deadline(run_id, later(countdown_s + rt.settings.acquire_timeout_s))
+
+    with self.retrying(before_retry=keep_provisioning):
+        done = acquire_lease(rt, run_id, parsed, self.request.id, self.may_retry)
     return done.as_dict()

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from celery import Task
 from celery.exceptions import Retry
 from celery.utils.time import get_exponential_backoff_interval
 
-from providers.errors import is_transient
+from providers.errors import LeasekeeperError, is_transient
 from providers.spec import REDACTED
 from workers.runtime import Runtime, get_runtime
 
@@ -68,8 +68,14 @@ class LeaseTask(Task):  # type: ignore[misc]
         return millis / 1000.0
 
     @contextlib.contextmanager
-    def retrying(self) -> Iterator[None]:
-        """Retry transient errors with backoff while retries last; re-raise the rest."""
+    def retrying(
+        self, before_retry: Callable[[float], None] | None = None
+    ) -> Iterator[None]:
+        """Retry transient errors with backoff while retries last; re-raise the rest.
+
+        ``before_retry(countdown_s)`` runs before the retry is scheduled (best effort: the
+        store may be the thing that is down).
+        """
         try:
             yield
         except Retry:
@@ -77,6 +83,9 @@ class LeaseTask(Task):  # type: ignore[misc]
         except Exception as exc:
             if is_transient(exc) and self.may_retry:
                 countdown = self.backoff_s()
+                if before_retry is not None:
+                    with contextlib.suppress(LeasekeeperError):
+                        before_retry(countdown)
                 log.warning("%s[%s] transient failure, retry %d in %.1fs: %s", self.name,
                             self.request.id, self.request.retries + 1, countdown, exc)
                 raise self.retry(exc=exc, countdown=countdown) from None

@@ -15,6 +15,7 @@ import pytest
 from models.schema import LeaseState, RunStatus, utcnow
 from models.store import NewLease
 from providers.base import AcquireRequest, ManagedResource
+from providers.faulty import FaultPlan
 from providers.local import LocalProvider, ProcessIdentity, _alive
 from providers.spec import SandboxSpec
 from tasks.stuck import StuckOutcome, stuck_provisioning
@@ -149,3 +150,38 @@ def test_dry_run_changes_nothing(rt: Runtime, effects: Recorder) -> None:
     for lease_id in (adopt, drop):
         assert rt.store.get_lease(lease_id).state == LeaseState.PROVISIONING
     assert effects.destroys == []
+
+
+def test_a_retried_acquire_keeps_the_sweep_off_its_lease(
+    rt: Runtime, effects: Recorder, faults: FaultPlan
+) -> None:
+    """A transient failure leaves the lease provisioning for the retry. When the retry (or
+    a redelivery) comes after the first attempt's deadline, it moves the deadline before it
+    works, so the sweep never adopts or destroys a lease an acquire is still working on."""
+    from providers.errors import TransientProviderError
+    from tasks.acquire import AcquireResult, acquire_lease
+
+    faults.write({"acquire": [{"fault": "transient", "when": "before", "times": 2}]})
+    spec = SandboxSpec(provider="faulty")
+    with pytest.raises(TransientProviderError):
+        acquire_lease(rt, "run-1", spec, None, may_retry=True)
+    (lease,) = rt.store.leases()
+    set_lease(rt, lease.lease_id, acquire_deadline_at=utcnow() - timedelta(seconds=1))
+    with pytest.raises(TransientProviderError):  # the retry, late: still failing
+        acquire_lease(rt, "run-1", spec, None, may_retry=True)
+    assert rt.store.get_lease(lease.lease_id).acquire_deadline_at > utcnow()
+    tally = stuck_provisioning(SweepContext(rt, effects))
+    assert sum(tally[outcome] for outcome in StuckOutcome) == 0 and effects.destroys == []
+    done = acquire_lease(rt, "run-1", spec, None, may_retry=True)
+    assert done.result == AcquireResult.ACQUIRED and done.lease_id == lease.lease_id
+    assert rt.store.get_lease(lease.lease_id).state == LeaseState.ACTIVE
+
+
+def test_extend_acquire_deadline_moves_only_a_provisioning_lease(rt: Runtime) -> None:
+    lease_id = half_acquired(rt, "run-1", created=False)
+    until = utcnow() + timedelta(minutes=5)
+    assert rt.store.extend_acquire_deadline("run-1", until) == 1
+    assert rt.store.get_lease(lease_id).acquire_deadline_at == until
+    rt.store.transition(lease_id, {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP, "test")
+    assert rt.store.extend_acquire_deadline("run-1", until + timedelta(minutes=5)) == 0
+    assert rt.store.extend_acquire_deadline("no-such-run", until) == 0
