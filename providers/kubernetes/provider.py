@@ -3,7 +3,8 @@
 Secret ``<name>-env``.
 
     acquire       workload (409 → adopt if ours), then Secret (owner = the workload's uid),
-                  then wait: Sandbox Ready through one watch; Job exists (Pending is fine).
+                  then wait: Sandbox Ready through one watch (its pod named from it); Job
+                  exists (Pending is fine). 3 requests for a Sandbox, 2 for a Job.
                   Any failure after the workload exists runs destroy before re-raising.
     resume_check  checkLeaseResumable of the seed: expected states never raise.
     job_exit      a Job's phase and its container's exit code.
@@ -291,11 +292,12 @@ class KubernetesProvider:
                 raise TransientProviderError(f"kubernetes: {state.reason or 'not Ready'}")
             case SandboxPhase.READY:
                 pass
-        lookup = self._sandbox_pod(settled)
-        if lookup.pod is None:
-            raise TransientProviderError(
-                f"kubernetes: Sandbox {name} is Ready but no backing pod was found")
-        return name_of(lookup.pod)
+        # Ready means the controller saw its pod Ready just now: name it from the Sandbox
+        # (agent-sandbox names the pod after the Sandbox, or in the pod-name annotation)
+        # instead of reading it. That read cost a request and, with the watch's connection
+        # just closed, a TLS handshake: ~60% of the Ready-to-acquired latency. resume_check
+        # still looks the pod up (and up to the label, never by prefix) before any use.
+        return sandbox_pod_hint(settled) or name
 
     def _wait_sandbox_settled(self, api: KubeApi, sandbox: Obj, deadline: float) -> WaitResult:
         """Until the Sandbox is Ready, Failed or Terminating (or gone, or the deadline)."""

@@ -39,11 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     with ExitStack() as stack:
         cluster = stack.enter_context(
-            KubeCluster(bin_dir, authorization_mode="RBAC" if args.rbac else "AlwaysAllow"))
+            KubeCluster(bin_dir, authorization_mode="RBAC" if args.rbac else "AlwaysAllow",
+                        before_controllers=None if args.no_sim else install_sandbox_crd))
         if not args.no_sim:
             api = stack.enter_context(cluster.api_client())
             stack.enter_context(KubeletSim(api, cert_dir=cluster.workdir / "kubelet"))
-            install_sandbox_crd(api)
             stack.enter_context(SandboxController(api))
         print(f"KUBECONFIG={cluster.kubeconfig_path}", flush=True)
         print(f"# admin token: {cluster.admin_token}  api: {cluster.api_url}", flush=True)

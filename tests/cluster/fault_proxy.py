@@ -14,6 +14,7 @@ import select
 import socket
 import socketserver
 import ssl
+import sys
 import tempfile
 import threading
 import time
@@ -96,6 +97,14 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     block_on_close = False
     owner: FaultProxy
+
+    def handle_error(self, request: socket.socket | tuple[bytes, socket.socket],
+                     client_address: tuple[str, int]) -> None:
+        """A client or upstream that hung up mid-stream (a closed watch, a cut connection)
+        is routine for a proxy; anything else is printed as usual."""
+        if isinstance(sys.exc_info()[1], OSError | ValueError):
+            return
+        super().handle_error(request, client_address)
 
     def finish_request(self, request: socket.socket | tuple[bytes, socket.socket],
                        client_address: tuple[str, int]) -> None:

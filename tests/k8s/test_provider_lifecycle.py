@@ -264,8 +264,8 @@ def test_request_counts_per_operation(kenv: KubeEnv, capsys: pytest.CaptureFixtu
 
     with capsys.disabled():
         print("\nAPI requests per operation:", counts)
-    # create Sandbox, create Secret, one watch, read pod
-    assert counts["acquire sandbox-cr"] <= 4
+    # create Sandbox, create Secret, one watch (the pod is named by the Ready Sandbox)
+    assert counts["acquire sandbox-cr"] == 3
     # read Sandbox, read pod
     assert counts["resume_check live sandbox-cr"] == 2
     assert counts["destroy sandbox-cr"] == 3

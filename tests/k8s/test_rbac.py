@@ -28,7 +28,7 @@ from providers.errors import ProviderError, is_transient
 from providers.kubernetes.provider import KubernetesProvider, build_kubernetes_provider
 from tests.cluster.cluster import ClusterAccess, KubeCluster
 from tests.cluster.kubeconfig import api_client_from_kubeconfig
-from tests.cluster.waits import condition_is
+from tests.cluster.waits import condition_is, gone
 from tests.k8s.conftest import KubeEnv, provider_settings
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(120)]
@@ -163,6 +163,7 @@ def test_the_deploy_role_is_enough_for_both_backends(
         listed = {r.name: r for r in provider.list_managed()}
         assert listed[request.name].lease_id == request.lease_id
         assert provider.destroy(lease) is DestroyOutcome.DESTROYED
+        kenv.wait("sandbox" if backend == "sandbox-cr" else "job", request.name, gone)
         assert provider.resume_check(lease, 5).outcome is ResumeOutcome.NOT_RESUMABLE
         assert provider.destroy(lease) is DestroyOutcome.ALREADY_GONE
     # and a finished Job's exit code is readable with these rights too
