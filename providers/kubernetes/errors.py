@@ -160,9 +160,17 @@ def kube_errors(action: str, *, sensitive: bool = False, permission: Permission 
                 f"kubernetes: {action} failed: the API server's TLS certificate was not "
                 "trusted; fix the CA in the kubeconfig"
             ) from None
+        # urllib3 wraps what happened (after its connect retries) in MaxRetryError.
+        cause = exc.reason if isinstance(exc, urllib3.exceptions.MaxRetryError) else exc
+        kind = type(cause or exc).__name__
+        if isinstance(cause, urllib3.exceptions.TimeoutError | TimeoutError):
+            raise TransientProviderError(
+                f"kubernetes: {action} failed: the API server did not answer within "
+                f"LEASEKEEPER_KUBE_REQUEST_TIMEOUT_S ({kind}); the task retries with backoff"
+            ) from None
         raise TransientProviderError(
             f"kubernetes: {action} failed: connection to the API server failed "
-            f"({type(exc).__name__}); the task retries with backoff"
+            f"({kind}); the task retries with backoff"
         ) from None
     except (TimeoutError, ConnectionError) as exc:
         raise TransientProviderError(

@@ -49,7 +49,7 @@ Obj = dict[str, Any]
 def provider_settings(kubeconfig: Path, namespace: str, installation: str,
                       **extra: Any) -> Settings:
     return Settings(kube_config_path=kubeconfig, kube_namespace=namespace,
-                    installation_id=installation, kube_request_timeout_s=10.0, **extra)
+                    installation_id=installation, **{"kube_request_timeout_s": 10.0, **extra})
 
 
 @dataclass
