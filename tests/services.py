@@ -130,7 +130,24 @@ def start_postgres(workdir: Path) -> PostgresServer:
             **_as_postgres(),  # type: ignore[call-overload]
         )
     wait_for_port(port, 30, proc)
-    return PostgresServer(port, datadir, proc)
+    server = PostgresServer(port, datadir, proc)
+    accepting_connections(server)
+    return server
+
+
+def accepting_connections(postgres: PostgresServer, timeout_s: float = 30.0) -> None:
+    """Wait past "the database system is starting up" (the port opens before that)."""
+    import psycopg
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            psycopg.connect(postgres.url().replace("+psycopg", ""), connect_timeout=2).close()
+            return
+        except psycopg.OperationalError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
 
 
 def stop_process(proc: subprocess.Popen[bytes], sig: int = signal.SIGTERM,

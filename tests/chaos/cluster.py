@@ -22,6 +22,7 @@ from tests.services import (
     RedisServer,
     _as_postgres,
     _pg_bin,
+    accepting_connections,
     start_redis,
     wait_for_port,
 )
@@ -142,21 +143,6 @@ class ChaosCluster:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
-
-
-def accepting_connections(postgres: PostgresServer, timeout_s: float = 30.0) -> None:
-    """Wait past "the database system is starting up" (the port opens before that)."""
-    import psycopg
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            psycopg.connect(postgres.url().replace("+psycopg", ""), connect_timeout=2).close()
-            return
-        except psycopg.OperationalError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
 
 
 def _children(ppid: int) -> list[int]:

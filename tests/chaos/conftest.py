@@ -61,13 +61,12 @@ def target(request: pytest.FixtureRequest, chaos_root: Path) -> ChaosTarget:
 @pytest.fixture
 def chaos(target: ChaosTarget, chaos_root: Path) -> Iterator[ChaosCluster]:
     from models.migrate import upgrade
-    from tests.chaos.cluster import ChaosCluster, accepting_connections  # not at load time:
+    from tests.chaos.cluster import ChaosCluster  # not at load time:
     # they import the Celery app, whose broker is set only in pytest_configure
 
     root = chaos_root
     redis = start_redis(root / "redis", free_port())
     postgres = start_postgres(root / "postgres")
-    accepting_connections(postgres)
     cluster = ChaosCluster(
         root=root, redis=redis, postgres=postgres,
         store_url=postgres.create_database(f"chaos_{uuid.uuid4().hex[:8]}"),
