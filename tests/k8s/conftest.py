@@ -34,6 +34,7 @@ from tests.cluster.fault_proxy import FaultProxy
 from tests.cluster.fixtures import *  # noqa: F403
 from tests.cluster.fixtures import create_namespace, delete_namespace, new_fault_proxy
 from tests.cluster.fixtures import prebuild_binaries as _prebuild_binaries
+from tests.cluster.sandbox_controller import SandboxController
 from tests.cluster.waits import wait_for_object
 from tests.services import RedisServer
 from workers.settings import Settings
@@ -133,6 +134,15 @@ def kenv(kube_cluster: Any, kube_api: client.ApiClient, kubelet_sim: Any,
     provider = build_kubernetes_provider(settings)
     yield KubeEnv(k8s_namespace, installation, fault_proxy, kube_api, provider)
     provider.api.api_client.close()
+
+
+@pytest.fixture
+def steered_controller(sandbox_controller: SandboxController | None) -> SandboxController:
+    """The Sandbox controller simulator, for tests that make it fail, stall or lag. A real
+    agent-sandbox controller (LEASEKEEPER_TEST_REAL_SANDBOX_CONTROLLER=1) cannot be told to."""
+    if sandbox_controller is None:
+        pytest.skip("steers the Sandbox controller simulator; this cluster runs a real one")
+    return sandbox_controller
 
 
 # -- a real worker on the kubernetes provider -------------------------------------------------

@@ -4,8 +4,6 @@ API server, its Job controller and the kubelet simulator: acquire, resume-check 
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from providers.base import AcquireOutcome, ResumeOutcome
@@ -54,10 +52,7 @@ def test_job_gone_is_not_resumable(kenv: KubeEnv) -> None:
     ("exit 3", JobPhase.FAILED, "Failed", 3),
 ])
 def test_finished_job_is_not_resumable_and_reports_its_exit(
-        kenv: KubeEnv, script: str, phase: JobPhase, condition: str, code: int,
-        kubelet_sim: Any) -> None:
-    if kubelet_sim is None:
-        pytest.skip("exit codes come from the kubelet simulator's processes")
+        kenv: KubeEnv, script: str, phase: JobPhase, condition: str, code: int) -> None:
     request = kenv.request(backend="job", command=["sh", "-c", script])
     kenv.provider.acquire(request)
     kenv.wait("job", request.name, condition_is(condition))
@@ -68,9 +63,7 @@ def test_finished_job_is_not_resumable_and_reports_its_exit(
 
 
 def test_list_managed_reports_finished_jobs_exit_codes_in_four_requests(
-        kenv: KubeEnv, kubelet_sim: Any) -> None:
-    if kubelet_sim is None:
-        pytest.skip("exit codes come from the kubelet simulator's processes")
+        kenv: KubeEnv) -> None:
     # given a Job that exited 7, one that exited 0, one still running, and a Sandbox
     failed = kenv.request(backend="job", command=["sh", "-c", "exit 7"])
     succeeded = kenv.request(backend="job", command=["sh", "-c", "exit 0"])

@@ -138,9 +138,9 @@ def test_acquire_cleanup_failure_is_reported_without_secrets(kenv: KubeEnv) -> N
 
 
 def test_acquire_ready_wait_failure_destroys_the_workload(kenv: KubeEnv,
-                                                         sandbox_controller: Any) -> None:
+                                                         steered_controller: Any) -> None:
     request = kenv.request(timeout_s=30)
-    sandbox_controller.mark_failed(kenv.namespace, request.name, "image pull failed")
+    steered_controller.mark_failed(kenv.namespace, request.name, "image pull failed")
     with pytest.raises(TerminalProviderError, match="PodFailed"):
         kenv.provider.acquire(request)
     kenv.wait("sandbox", request.name, gone)

@@ -75,11 +75,11 @@ def test_resume_sandbox_destroyed_is_gone(kenv: KubeEnv) -> None:
 
 
 def test_resume_failed_sandbox_is_not_resumable_at_once(kenv: KubeEnv,
-                                                        sandbox_controller: Any) -> None:
+                                                        steered_controller: Any) -> None:
     # given a live lease whose Sandbox then reports its pod failed
     request = kenv.request()
     acquired = kenv.provider.acquire(request)
-    sandbox_controller.mark_failed(kenv.namespace, request.name, "exit status 3")
+    steered_controller.mark_failed(kenv.namespace, request.name, "exit status 3")
     kenv.wait("sandbox", request.name, condition_is("Finished"))
     # when checking resume with a long wait; then it fails fast with the reason
     started = time.monotonic()
@@ -89,9 +89,9 @@ def test_resume_failed_sandbox_is_not_resumable_at_once(kenv: KubeEnv,
     assert time.monotonic() - started < 5
 
 
-def test_resume_never_ready_within_the_wait(kenv: KubeEnv, sandbox_controller: Any) -> None:
+def test_resume_never_ready_within_the_wait(kenv: KubeEnv, steered_controller: Any) -> None:
     # given a Sandbox whose pod never comes up
-    sandbox_controller.never_ready(kenv.namespace)
+    steered_controller.never_ready(kenv.namespace)
     request = kenv.request(timeout_s=2)
     with pytest.raises(TransientProviderError, match="did not become Ready within 2s"):
         kenv.provider.acquire(request)
@@ -121,10 +121,10 @@ def _hand_made_pod(kenv: KubeEnv, name: str, command: list[str]) -> None:
     kenv.wait("pod", name, pod_phase_in("Running"))
 
 
-def _ready_sandbox_with_hand_made_pod(kenv: KubeEnv, sandbox_controller: Any,
+def _ready_sandbox_with_hand_made_pod(kenv: KubeEnv, steered_controller: Any,
                                       command: list[str]) -> Any:
     request = kenv.request()
-    sandbox_controller.never_ready(kenv.namespace, request.name)
+    steered_controller.never_ready(kenv.namespace, request.name)
     _hand_made_pod(kenv, request.name, command)
     acquired = kenv.provider.acquire(request)
     assert acquired.meta["pod_name"] == request.name
@@ -132,9 +132,9 @@ def _ready_sandbox_with_hand_made_pod(kenv: KubeEnv, sandbox_controller: Any,
 
 
 def test_resume_pod_gone_while_sandbox_still_ready(kenv: KubeEnv,
-                                                   sandbox_controller: Any) -> None:
+                                                   steered_controller: Any) -> None:
     request, acquired = _ready_sandbox_with_hand_made_pod(
-        kenv, sandbox_controller, ["sh", "-c", "while :; do sleep 1; done"])
+        kenv, steered_controller, ["sh", "-c", "while :; do sleep 1; done"])
     kenv.core.delete_namespaced_pod(request.name, kenv.namespace, grace_period_seconds=0,
                                     _preload_content=False)
     kenv.wait("pod", request.name, gone)
@@ -144,10 +144,10 @@ def test_resume_pod_gone_while_sandbox_still_ready(kenv: KubeEnv,
     assert result.reason == "Sandbox is Ready but no backing pod was found"
 
 
-def test_resume_pod_terminating(kenv: KubeEnv, sandbox_controller: Any) -> None:
+def test_resume_pod_terminating(kenv: KubeEnv, steered_controller: Any) -> None:
     # given a Ready Sandbox whose pod ignores SIGTERM, so its graceful deletion lingers
     request, acquired = _ready_sandbox_with_hand_made_pod(
-        kenv, sandbox_controller, ["sh", "-c", "trap '' TERM; while :; do sleep 1; done"])
+        kenv, steered_controller, ["sh", "-c", "trap '' TERM; while :; do sleep 1; done"])
     kenv.core.delete_namespaced_pod(request.name, kenv.namespace, _preload_content=False)
     kenv.wait("pod", request.name,
               lambda pod: pod is not None and pod["metadata"].get("deletionTimestamp"))
@@ -160,7 +160,7 @@ def test_resume_pod_terminating(kenv: KubeEnv, sandbox_controller: Any) -> None:
                                         _preload_content=False)
 
 
-def test_resume_pod_named_by_the_sandbox_is_gone(kenv: KubeEnv, sandbox_controller: Any) -> None:
+def test_resume_pod_named_by_the_sandbox_is_gone(kenv: KubeEnv, steered_controller: Any) -> None:
     # given a Sandbox whose status names its pod (status.podName), and that pod is gone
     request = kenv.request()
     acquired = kenv.provider.acquire(request)
@@ -221,14 +221,14 @@ def _watches(kenv: KubeEnv) -> int:
     return kenv.proxy.count("GET", r"/sandboxes$", query="watch=true")
 
 
-def test_watch_restarts_after_410_expired(kenv: KubeEnv, sandbox_controller: Any) -> None:
+def test_watch_restarts_after_410_expired(kenv: KubeEnv, steered_controller: Any) -> None:
     # given a Sandbox held unready until the acquire's second watch, the first answered 410
     request = kenv.request()
-    sandbox_controller.never_ready(kenv.namespace, request.name)
+    steered_controller.never_ready(kenv.namespace, request.name)
     kenv.proxy.fail("GET", r"/sandboxes$", 410, reason="Expired", query="watch=true",
                     message="too old resource version")
     helper = _in_background([(lambda: _watches(kenv) >= 2,
-                              lambda: sandbox_controller.reset(kenv.namespace, request.name))])
+                              lambda: steered_controller.reset(kenv.namespace, request.name))])
     acquired = kenv.provider.acquire(request)
     helper.join()
     assert acquired.outcome is AcquireOutcome.CREATED
@@ -238,14 +238,14 @@ def test_watch_restarts_after_410_expired(kenv: KubeEnv, sandbox_controller: Any
 
 
 def test_watch_resumes_after_the_connection_is_cut(kenv: KubeEnv,
-                                                  sandbox_controller: Any) -> None:
+                                                  steered_controller: Any) -> None:
     # given an acquire waiting on its watch, whose connection a proxy then cuts
     request = kenv.request()
-    sandbox_controller.never_ready(kenv.namespace, request.name)
+    steered_controller.never_ready(kenv.namespace, request.name)
     helper = _in_background([
         (lambda: _watches(kenv) >= 1, kenv.proxy.close_streams),
         (lambda: _watches(kenv) >= 2,
-         lambda: sandbox_controller.reset(kenv.namespace, request.name))])
+         lambda: steered_controller.reset(kenv.namespace, request.name))])
     # when the Sandbox becomes Ready after that; then the acquire succeeds on a new watch
     # from the last resourceVersion, without re-reading the Sandbox
     acquired = kenv.provider.acquire(request)
@@ -256,9 +256,9 @@ def test_watch_resumes_after_the_connection_is_cut(kenv: KubeEnv,
 
 
 def test_watch_that_keeps_failing_gives_up_transient(kenv: KubeEnv,
-                                                    sandbox_controller: Any) -> None:
+                                                    steered_controller: Any) -> None:
     request = kenv.request()
-    sandbox_controller.never_ready(kenv.namespace, request.name)
+    steered_controller.never_ready(kenv.namespace, request.name)
     kenv.proxy.fail("GET", r"/sandboxes$", 503, query="watch=true", times=None)
     with pytest.raises(TransientProviderError, match="HTTP 503"):
         kenv.provider.acquire(request)

@@ -139,7 +139,7 @@ def handle(kenv: KubeEnv, request: AcquireRequest, meta: dict[str, Any] | None =
 
 
 def test_the_deploy_role_is_enough_for_both_backends(
-        worker_factory: Callable[..., Worker], kenv: KubeEnv, kubelet_sim: Any) -> None:
+        worker_factory: Callable[..., Worker], kenv: KubeEnv) -> None:
     # given deploy/ applied as written, and the provider holding only that ServiceAccount
     worker = worker_factory()
     provider = worker.provider
@@ -167,11 +167,10 @@ def test_the_deploy_role_is_enough_for_both_backends(
         assert provider.resume_check(lease, 5).outcome is ResumeOutcome.NOT_RESUMABLE
         assert provider.destroy(lease) is DestroyOutcome.ALREADY_GONE
     # and a finished Job's exit code is readable with these rights too
-    if kubelet_sim is not None:
-        done = kenv.request(backend="job", command=["sh", "-c", "exit 3"])
-        provider.acquire(done)
-        kenv.wait("job", done.name, condition_is("Failed"))
-        assert {r.name: r for r in provider.list_managed()}[done.name].exit_code == 3
+    done = kenv.request(backend="job", command=["sh", "-c", "exit 3"])
+    provider.acquire(done)
+    kenv.wait("job", done.name, condition_is("Failed"))
+    assert {r.name: r for r in provider.list_managed()}[done.name].exit_code == 3
 
 
 # (resource, verb) → what the provider does that needs it: an optional setup done with

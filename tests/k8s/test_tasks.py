@@ -149,23 +149,23 @@ def test_resume_sandbox_gone(kube_stack: KubeStack) -> None:
     assert not_resumable(ks, acquired["lease_id"]) == "Sandbox CR no longer exists"
 
 
-def test_resume_sandbox_failed(kube_stack: KubeStack, sandbox_controller: Any) -> None:
+def test_resume_sandbox_failed(kube_stack: KubeStack, steered_controller: Any) -> None:
     ks = kube_stack
     acquired = acquire(ks)
     name = acquired["provider_lease_id"]
-    sandbox_controller.mark_failed(ks.namespace, name, "exit status 3")
+    steered_controller.mark_failed(ks.namespace, name, "exit status 3")
     ks.env.wait("sandbox", name, condition_is("Finished"))
     reason = not_resumable(ks, acquired["lease_id"])
     assert "PodFailed" in reason and "exit status 3" in reason
     ks.env.wait("sandbox", name, gone)
 
 
-def test_resume_sandbox_never_ready_again(kube_stack: KubeStack, sandbox_controller: Any) -> None:
+def test_resume_sandbox_never_ready_again(kube_stack: KubeStack, steered_controller: Any) -> None:
     # given a live lease whose pod dies and is not replaced
     ks = kube_stack
     acquired = acquire(ks)
     name = acquired["provider_lease_id"]
-    sandbox_controller.never_ready(ks.namespace, name)
+    steered_controller.never_ready(ks.namespace, name)
     ks.env.core.delete_namespaced_pod(name, ks.namespace, grace_period_seconds=0,
                                       _preload_content=False)
     ks.env.wait("sandbox", name, lambda sb: any(
@@ -179,12 +179,12 @@ def test_resume_sandbox_never_ready_again(kube_stack: KubeStack, sandbox_control
 
 
 def test_resume_pod_gone_while_the_sandbox_still_says_ready(kube_stack: KubeStack,
-                                                           sandbox_controller: Any) -> None:
+                                                           steered_controller: Any) -> None:
     # given a live lease whose pod is deleted while the controller lags (status still Ready)
     ks = kube_stack
     acquired = acquire(ks)
     name = acquired["provider_lease_id"]
-    sandbox_controller.freeze(ks.namespace, name)
+    steered_controller.freeze(ks.namespace, name)
     ks.env.core.delete_namespaced_pod(name, ks.namespace, grace_period_seconds=0,
                                       _preload_content=False)
     ks.env.wait("pod", name, gone)
@@ -193,13 +193,13 @@ def test_resume_pod_gone_while_the_sandbox_still_says_ready(kube_stack: KubeStac
     assert reason == "Sandbox is Ready but no backing pod was found"
 
 
-def test_resume_pod_terminating(kube_stack: KubeStack, sandbox_controller: Any) -> None:
+def test_resume_pod_terminating(kube_stack: KubeStack, steered_controller: Any) -> None:
     # given a Ready Sandbox whose pod ignores SIGTERM, so its graceful deletion lingers,
     # and a controller that has not caught up with that yet
     ks = kube_stack
     acquired = acquire(ks, command=["sh", "-c", "trap '' TERM; while :; do sleep 1; done"])
     name = acquired["provider_lease_id"]
-    sandbox_controller.freeze(ks.namespace, name)
+    steered_controller.freeze(ks.namespace, name)
     ks.env.core.delete_namespaced_pod(name, ks.namespace, grace_period_seconds=60,
                                       _preload_content=False)
     ks.env.wait("pod", name, lambda p: p is not None and p["metadata"].get("deletionTimestamp"))
@@ -355,10 +355,10 @@ def pool_children(parent: int) -> list[int]:
 
 
 def test_acquire_redelivered_after_a_worker_crash_adopts_its_sandbox(
-        kube_stack: KubeStack, sandbox_controller: Any) -> None:
+        kube_stack: KubeStack, steered_controller: Any) -> None:
     # given an acquire that created its Sandbox and Secret and waits for Ready
     ks = kube_stack
-    sandbox_controller.never_ready(ks.namespace)
+    steered_controller.never_ready(ks.namespace)
     run_id = rid()
     pending = producer.acquire_lease(run_id, {})
     secrets = eventually(lambda: ks.env.core.list_namespaced_secret(
@@ -371,7 +371,7 @@ def test_acquire_redelivered_after_a_worker_crash_adopts_its_sandbox(
     for pid in children:
         os.kill(pid, signal.SIGKILL)
     eventually(lambda: ks.proxy.count("POST", r"/sandboxes$") >= 2, "the redelivery")
-    sandbox_controller.reset(ks.namespace)
+    steered_controller.reset(ks.namespace)
     # then the second delivery adopts the same Sandbox and Secret: one of each
     result = pending.get(90)
     assert result["result"] == "adopted" and result["provider_lease_id"] == name
