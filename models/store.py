@@ -102,7 +102,10 @@ def make_engine(url: str) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    return create_engine(url, pool_pre_ping=True, pool_size=5, max_overflow=5,
+    # No pre-ping (a round trip per transaction): after a database restart, the first
+    # statement on a dead connection fails as StoreUnavailable (retried by the task
+    # policy) and SQLAlchemy invalidates the whole pool, so only that one attempt is lost.
+    return create_engine(url, pool_size=5, max_overflow=5, pool_recycle=1800,
                          connect_args=_pg_connect_args(url))
 
 
@@ -315,32 +318,39 @@ class Store:
     ) -> Lease | None:
         """Move a lease from one of ``expected`` to ``to``; None if another worker won.
 
-        The hot path of every task, so it is plain SQL (no unit of work): read the state,
-        ``UPDATE ... WHERE state = :read AND version = :read RETURNING`` the new row, append
-        the event, all in one transaction. The returned Lease is detached, for reading.
+        The hot path of every task, so it is plain SQL (no unit of work) and few round
+        trips: ``UPDATE ... WHERE state = :from RETURNING`` the new row, then the event, in
+        one transaction. With several expected states the current one is read first, under
+        a row lock (PostgreSQL) or the write lock BEGIN IMMEDIATE took (SQLite), so the
+        event names the state it really left. The returned Lease is detached, for reading.
         """
         expected = frozenset(expected)
         leases = _LEASES
         with self.tx() as s:
-            query = select(leases.c.state, leases.c.sandbox_key, leases.c.version).where(
-                leases.c.lease_id == lease_id)
-            if self._skip_locked:
-                query = query.with_for_update()
-            current = s.execute(query).one_or_none()
-            if current is None:
-                raise NotFound(f"no lease {lease_id!r} in the store")
-            from_state, sandbox_key, version = current
-            if from_state not in expected:
-                return None
+            from_state: str | None
+            if len(expected) == 1:
+                (from_state,) = expected
+            else:
+                query = select(leases.c.state).where(leases.c.lease_id == lease_id)
+                if self._skip_locked:
+                    query = query.with_for_update()
+                from_state = s.execute(query).scalar_one_or_none()
+                if from_state is None:
+                    raise NotFound(f"no lease {lease_id!r} in the store")
+                if from_state not in expected:
+                    return None
             row = s.execute(
                 update(leases)
-                .where(leases.c.lease_id == lease_id, leases.c.state == from_state,
-                       leases.c.version == version)
+                .where(leases.c.lease_id == lease_id, leases.c.state == from_state)
                 .values(state=to, updated_at=utcnow(), version=leases.c.version + 1,
-                        live_key=sandbox_key if to in LIVE_STATES else None, **values)
+                        live_key=leases.c.sandbox_key if to in LIVE_STATES else None,
+                        **values)
                 .returning(*leases.c)
             ).one_or_none()
             if row is None:
+                if s.execute(select(leases.c.lease_id)
+                             .where(leases.c.lease_id == lease_id)).first() is None:
+                    raise NotFound(f"no lease {lease_id!r} in the store")
                 return None
             s.execute(insert(_EVENTS).values(
                 lease_id=lease_id, at=utcnow(), from_state=from_state, to_state=to,
