@@ -31,7 +31,20 @@ def pytest_configure(config: pytest.Config) -> None:
 def redis_server() -> Iterator[RedisServer]:
     server = start_redis(_SESSION_DIR / "redis", _REDIS_PORT)
     yield server
+    _close_result_subscriptions()
     server.stop()
+
+
+def _close_result_subscriptions() -> None:
+    """Results no test waited for stay subscribed in Celery's Redis result backend; their
+    ``__del__`` would unsubscribe at interpreter exit, after this Redis is gone, and print
+    tracebacks. Close the subscriptions while Redis is still up."""
+    from workers.app import app
+
+    consumer = getattr(app.backend, "result_consumer", None)
+    if consumer is not None:
+        consumer.stop()
+        consumer.subscribed_to.clear()
 
 
 @pytest.fixture(scope="session")
