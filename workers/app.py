@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_process_init
+from celery.signals import worker_init, worker_process_init
 
 from workers.beat import beat_schedule
 from workers.settings import Settings, get_settings
@@ -60,6 +60,14 @@ def create_app(settings: Settings | None = None) -> Celery:
 
 
 app = create_app()
+
+
+@worker_init.connect
+def _import_providers_before_fork(**_: Any) -> None:
+    # In the worker's main process, before the pool forks: see PROVIDER_MODULES.
+    from workers.runtime import import_provider_modules
+
+    import_provider_modules(get_settings())
 
 
 @worker_process_init.connect

@@ -7,6 +7,7 @@ prefork children do not share database connections. Tests inject their own with
 
 from __future__ import annotations
 
+import importlib
 import os
 import threading
 from collections.abc import Callable
@@ -42,6 +43,12 @@ def _kubernetes(settings: Settings) -> Provider:
     provider: Provider = build_kubernetes_provider(settings)
     return provider
 
+
+# Modules of providers too heavy to import in each prefork child: the kubernetes client's
+# models cost ~3.5 s of CPU to import (tens of seconds of wall time on a loaded host), paid
+# on a child's first task and again by every child that replaces a dead one. The worker's
+# main process imports them before the pool forks (workers/app.py); children inherit them.
+PROVIDER_MODULES: dict[str, str] = {"kubernetes": "providers.kubernetes.provider"}
 
 PROVIDER_FACTORIES: dict[str, Callable[[Settings], Provider]] = {
     "local": _local,
@@ -88,6 +95,15 @@ class Runtime:
     def put_provider(self, provider: Provider) -> None:
         """Use this provider instance for its name (tests, benchmarks)."""
         self._providers[provider.name] = provider
+
+
+def import_provider_modules(settings: Settings) -> list[str]:
+    """Import (never build: no client or connection may cross a fork) the modules of the
+    enabled providers listed in PROVIDER_MODULES; returns their names."""
+    names = [PROVIDER_MODULES[p] for p in settings.providers if p in PROVIDER_MODULES]
+    for name in names:
+        importlib.import_module(name)
+    return names
 
 
 _runtime: Runtime | None = None
