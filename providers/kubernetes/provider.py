@@ -9,6 +9,8 @@ Secret ``<name>-env``.
     resume_check  checkLeaseResumable of the seed: expected states never raise.
     job_exit      a Job's phase and its container's exit code.
     destroy       workload (Foreground), pod, Secret; every part attempted, 404 = done.
+                  The workload is deleted by its recorded uid; a later incarnation of the
+                  lease under its name (by its labels) is deleted too, anyone else's never.
     list_managed  everything carrying this installation's label, one entry per workload,
                   with a finished Job's exit code (for sweep.finish_exited).
 
@@ -24,7 +26,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 from providers.base import (
     Acquired,
@@ -440,8 +442,7 @@ class KubernetesProvider:
             # Nothing recorded the uid: read it, so only our own object is ever deleted.
             try:
                 found = api.get_workload(backend, name)
-                if labels_of(found).get(LABEL_INSTALLATION) != self.installation or (
-                        labels_of(found).get(LABEL_WORKLOAD) != name):
+                if not self._ours(found, name):
                     return DestroyOutcome.ALREADY_GONE  # not ours: nothing of ours is there
                 uid = uid_of(found)
             except KubeNotFound:
@@ -467,16 +468,42 @@ class KubernetesProvider:
             except KubeNotFound:
                 continue
             except ProviderConflict as exc:
-                if part == "workload" and uid:
-                    # The uid precondition failed: the name now holds another object, which
-                    # is not ours; neither are its pod and Secret.
-                    break
-                failures.append(PartFailure(part, exc))
+                if part != "workload" or not uid:
+                    failures.append(PartFailure(part, exc))
+                    continue
+                # The uid precondition failed: the name holds another incarnation. A later
+                # one of this lease (made by an acquire that raced a sweep's destroy, or by
+                # a create whose answer was lost and that landed late, after the store had
+                # recorded the first uid) goes too; anyone else's stays, pod and Secret too.
+                try:
+                    if self._delete_current(api, backend, name) == "not_ours":
+                        break
+                    deleted += 1
+                except KubeNotFound:
+                    continue
+                except ProviderError as again:
+                    failures.append(PartFailure(part, again))
             except ProviderError as exc:
                 failures.append(PartFailure(part, exc))
         if failures:
             raise DestroyIncomplete.of(name, failures)
         return DestroyOutcome.DESTROYED if deleted else DestroyOutcome.ALREADY_GONE
+
+    def _ours(self, workload: Obj, name: str) -> bool:
+        """Labelled as this installation's workload ``name``. Names are derived from lease
+        ids, so that is this lease's, whichever incarnation it is."""
+        labels = labels_of(workload)
+        return (labels.get(LABEL_INSTALLATION) == self.installation
+                and labels.get(LABEL_WORKLOAD) == name)
+
+    def _delete_current(self, api: KubeApi, backend: Backend,
+                        name: str) -> Literal["deleted", "not_ours"]:
+        """Delete the incarnation of workload ``name`` there now, by its uid, if it is ours."""
+        current = api.get_workload(backend, name)
+        if not self._ours(current, name):
+            return "not_ours"
+        api.delete_workload(backend, name, uid_of(current))
+        return "deleted"
 
     # -- enumerate ------------------------------------------------------------------------
     def list_managed(self) -> list[ManagedResource]:

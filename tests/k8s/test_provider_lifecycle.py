@@ -106,6 +106,39 @@ def test_destroy_without_uid_leaves_someone_elses_object(kenv: KubeEnv) -> None:
     assert kenv.read("sandbox", "lk-theirs") is not None
 
 
+def test_destroy_with_a_stale_uid_deletes_the_leases_later_incarnation(kenv: KubeEnv) -> None:
+    # given a lease whose recorded uid is of a Sandbox that is gone, and a later incarnation
+    # of it under its name (an acquire that raced the destroy, or whose create answer was
+    # lost and landed late, made it after the store recorded the first uid)
+    request = kenv.request()
+    first = kenv.provider.acquire(request)
+    kenv.custom.delete_namespaced_custom_object(
+        "agents.x-k8s.io", "v1alpha1", kenv.namespace, "sandboxes", request.name,
+        propagation_policy="Foreground", _preload_content=False)
+    kenv.wait("sandbox", request.name, gone)
+    second = kenv.provider.acquire(request)
+    assert second.meta["uid"] != first.meta["uid"]
+    # when destroying with the metadata recorded first
+    outcome = kenv.provider.destroy(kenv.handle(request.name, **first.meta))
+    # then the later incarnation goes, pod and Secret too: it is this lease's, by its labels
+    assert outcome is DestroyOutcome.DESTROYED
+    kenv.wait("sandbox", request.name, gone)
+    kenv.wait("pod", request.name, gone)
+    assert kenv.read("secret", f"{request.name}-env") is None
+
+
+def test_destroy_with_a_stale_uid_leaves_someone_elses_object(kenv: KubeEnv) -> None:
+    # given our lease's recorded uid, and another installation's Sandbox under its name
+    identity = LeaseIdentity("their-lease", "lk-theirs-2", "someone-else", "acme")
+    kenv.create_sandbox(build_sandbox(identity, kenv.request().spec, kenv.provider.defaults,
+                                      datetime.now(UTC)))
+    # when destroying with our stale uid; then their Sandbox, pod and Secret are left alone
+    handle = kenv.handle("lk-theirs-2", uid="00000000-0000-0000-0000-000000000000")
+    assert kenv.provider.destroy(handle) is DestroyOutcome.ALREADY_GONE
+    assert kenv.proxy.count("DELETE", r"/(pods|secrets)/") == 0
+    assert kenv.read("sandbox", "lk-theirs-2") is not None
+
+
 # -- acquire: partial failure and adoption ----------------------------------------------------
 
 def test_acquire_secret_failure_destroys_the_workload(kenv: KubeEnv) -> None:
