@@ -27,7 +27,13 @@ def sandbox_key(spec: SandboxSpec, provider: str, run_id: str) -> str:
 
 
 def handle(lease: Lease) -> LeaseHandle:
-    return LeaseHandle(name=lease.provider_lease_id, backend=lease.backend or "",
+    """What the provider needs to find the lease's resources. The backend is the one the
+    provider reported; a lease that never became active (its acquire failed or died after
+    creating something) has none yet, so the one its spec asked for, or "" (the provider's
+    default, as its acquire used): never guessed, or a Job would be looked for as a Sandbox
+    and left running."""
+    backend = lease.backend or str((lease.spec or {}).get("backend") or "")
+    return LeaseHandle(name=lease.provider_lease_id, backend=backend,
                        meta=dict(lease.provider_meta or {}))
 
 

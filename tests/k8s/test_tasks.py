@@ -339,6 +339,26 @@ def test_acquire_cleanup_failure_leaves_pending_cleanup_without_secrets(
     ks.env.wait("sandbox", lease.provider_lease_id, gone)
 
 
+def test_a_job_whose_acquire_and_cleanup_failed_is_destroyed_as_a_job(
+        kube_stack: KubeStack) -> None:
+    # given a Job lease whose acquire failed after the Job existed and whose cleanup failed
+    # too: it never became active, so no backend came back from the provider
+    ks = kube_stack
+    ks.proxy.fail("POST", r"/secrets$", 422)
+    ks.proxy.fail("DELETE", r"/jobs/", 500, times=None)
+    with pytest.raises(AcquireCleanupIncomplete):
+        producer.acquire_lease(rid(), {"backend": "job", "command": LOOP}).get(60)
+    (lease,) = ks.store.leases()
+    assert lease.state == LeaseState.PENDING_CLEANUP and lease.backend is None
+    assert ks.env.read("job", lease.provider_lease_id) is not None
+    # when deletes work again and the lease is destroyed
+    ks.proxy.clear_rules()
+    assert producer.destroy_lease(lease.lease_id).get(60)["result"] == "destroyed"
+    # then its Job goes: it was looked for as the Job its spec asked for, not as a Sandbox
+    ks.env.wait("job", lease.provider_lease_id, gone)
+    assert ks.proxy.count("DELETE", r"/sandboxes/") == 0
+
+
 # -- acquire: redelivery adopts what the first delivery created -------------------------------
 
 def pool_children(parent: int) -> list[int]:
