@@ -1,18 +1,31 @@
-"""Fixtures of the chaos proof: a provider target (parametrized; the Kubernetes one plugs
-in here) and a breakable installation with its own Redis and PostgreSQL."""
+"""Fixtures of the chaos proof: a provider target (parametrized: ``local``, and
+``kubernetes`` on the real API server of tests/cluster, marked ``k8s`` so the binaries are
+built or located before any test runs) and a breakable installation with its own Redis and
+PostgreSQL.
+
+Runs per target: ``LEASEKEEPER_CHAOS_RUNS`` (local, 240) and ``LEASEKEEPER_CHAOS_KUBE_RUNS``
+(kubernetes, 96: every run there is a workload, a Secret and a pod on one API server, and
+the proof has to stay a few minutes long on a loaded two-CPU CI machine).
+"""
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from kubernetes import client
 
+from tests.chaos.kube_target import KubeTarget
 from tests.chaos.targets import ChaosTarget, LocalTarget
+from tests.cluster.fault_proxy import FaultProxy
+from tests.cluster.fixtures import *  # noqa: F403 - the cluster harness's fixtures
+from tests.cluster.fixtures import prebuild_binaries
 from tests.services import free_port, start_postgres, start_redis
 
 if TYPE_CHECKING:
@@ -42,20 +55,54 @@ CHAOS_SETTINGS: dict[str, str] = {
 }
 
 
+FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report: pytest.TestReport = yield
+    if report.failed:
+        item.stash[FAILED] = True
+    return report
+
+
 @pytest.fixture
-def chaos_root() -> Iterator[Path]:
-    """Outside pytest's private tmp dir: the postgres user must reach its data dir."""
+def chaos_root(request: pytest.FixtureRequest) -> Iterator[Path]:
+    """Outside pytest's private tmp dir: the postgres user must reach its data dir. Kept
+    when the test fails (workers.log, the beats' logs, the store's data directory)."""
     root = Path(tempfile.mkdtemp(prefix="leasekeeper-chaos-"))
     root.chmod(0o755)
     yield root
-    shutil.rmtree(root, ignore_errors=True)
+    if request.node.stash.get(FAILED, False):
+        print(f"\nchaos proof failed: its logs and store are kept in {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(params=["local"])
+def pytest_collection_finish(session: pytest.Session) -> None:
+    prebuild_binaries(session)  # a cold build must not run inside the proof's timeout
+
+
+@pytest.fixture(params=["local", pytest.param("kubernetes", marks=pytest.mark.k8s)])
 def target(request: pytest.FixtureRequest, chaos_root: Path) -> ChaosTarget:
     if request.param == "local":
-        return LocalTarget(root=chaos_root / "sandboxes", faults_file=chaos_root / "faults.json")
+        return LocalTarget(root=chaos_root / "sandboxes", faults_file=chaos_root / "faults.json",
+                           runs=int(os.environ.get("LEASEKEEPER_CHAOS_RUNS", "240")))
+    if request.param == "kubernetes":
+        found: KubeTarget = request.getfixturevalue("kube_target")
+        return found
     raise AssertionError(f"no chaos target {request.param!r}")
+
+
+@pytest.fixture
+def kube_target(kube_api: client.ApiClient, kubelet_sim: object, sandbox_controller: object,
+                fault_proxy: FaultProxy, k8s_namespace: str) -> KubeTarget:
+    """Workers reach the API server through ``fault_proxy``, in a namespace of their own;
+    pods run on the kubelet simulator, Sandboxes are reconciled by the controller simulator
+    (or the real ones of an external cluster)."""
+    return KubeTarget(proxy=fault_proxy, admin=kube_api, namespace=k8s_namespace,
+                      runs=int(os.environ.get("LEASEKEEPER_CHAOS_KUBE_RUNS", "96")))
 
 
 @pytest.fixture

@@ -1,18 +1,25 @@
 """What the chaos proof needs to know about the provider under attack, so one proof runs
-against any of them (the lead parametrizes a Kubernetes target beside the local one):
+against any of them (``LocalTarget`` here; ``KubeTarget`` in kube_target.py):
 
 - ``env``: the settings its workers need (enabled providers, credentials, ...);
+- ``runs``: how many runs the driver plays against it;
 - ``spec(i)``: the acquire spec of run ``i`` (which provider, which command);
 - ``provider_faults()`` / ``clear_faults()``: attack the provider seam (the ``faulty``
-  provider's plan here; the fault-injecting API proxy for Kubernetes);
+  provider's plan here; the fault-injecting API proxy for Kubernetes), and
+  ``faults_injected()``: how many of each fault actually fired, to print;
 - ``real_resources()``: what really exists, listed independently of leasekeeper's own
   ``list_managed`` (processes and workspaces here; objects by label on a cluster), as
-  {provider: {resource name: alive}}.
+  {provider: {resource name: alive}};
+- ``check_harness()``: whatever the target runs beside the workers (a cluster's simulators)
+  survived the attack and still works; raises if not.
 """
 
 from __future__ import annotations
 
+import fcntl
+import json
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -39,7 +46,10 @@ LOCAL_FAULT_PLAN: dict[str, list[dict[str, Any]]] = {
 
 class ChaosTarget(Protocol):
     name: str
-    env: dict[str, str]
+    runs: int
+
+    @property
+    def env(self) -> dict[str, str]: ...
 
     def spec(self, i: int) -> dict[str, Any]: ...
 
@@ -47,7 +57,11 @@ class ChaosTarget(Protocol):
 
     def clear_faults(self) -> None: ...
 
+    def faults_injected(self) -> dict[str, int]: ...
+
     def real_resources(self) -> dict[str, dict[str, bool]]: ...
+
+    def check_harness(self) -> None: ...
 
 
 @dataclass
@@ -56,6 +70,7 @@ class LocalTarget:
 
     root: Path  # the installation's LEASEKEEPER_LOCAL_ROOT_DIR
     faults_file: Path
+    runs: int = 240
     name: str = "local"
 
     @property
@@ -70,6 +85,23 @@ class LocalTarget:
 
     def clear_faults(self) -> None:
         FaultPlan(self.faults_file).write({})
+
+    def faults_injected(self) -> dict[str, int]:
+        """Faults taken from the plan so far, as "<operation> <fault> <when>": count."""
+        if not self.faults_file.exists():
+            return {}
+        with open(self.faults_file) as handle:
+            fcntl.flock(handle, fcntl.LOCK_SH)  # the workers rewrite it under LOCK_EX
+            plan = json.loads(handle.read() or "{}")
+        taken: Counter[str] = Counter()
+        for operation, rules in plan.items():
+            for rule in rules:
+                taken[f"{operation} {rule['fault']} {rule.get('when', 'before')}"] += \
+                    rule.get("taken", 0)
+        return dict(taken)
+
+    def check_harness(self) -> None:
+        """Nothing runs beside the workers for the local provider."""
 
     def real_resources(self) -> dict[str, dict[str, bool]]:
         """Workspaces on disk and processes carrying a workspace marker, by provider."""
