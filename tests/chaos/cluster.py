@@ -41,6 +41,7 @@ class ChaosCluster:
     workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
     node: int = 0
     attacks: dict[str, int] = field(default_factory=dict)
+    attack_errors: list[str] = field(default_factory=list)  # attack steps that failed
 
     @property
     def env(self) -> dict[str, str]:
