@@ -188,21 +188,6 @@ class Store:
                 query = query.where(Lease.state.in_(list(states)))
             return list(s.scalars(query))
 
-    def provider_names_with_lease(self, provider: str, names: Sequence[str]) -> set[str]:
-        """Which of these provider names still belong to a lease that is not final."""
-        if not names:
-            return set()
-        with self.tx() as s:
-            return set(
-                s.scalars(
-                    select(Lease.provider_lease_id).where(
-                        Lease.provider == provider,
-                        Lease.provider_lease_id.in_(list(names)),
-                        Lease.state.not_in(FINAL_STATES),
-                    )
-                )
-            )
-
     def unfinished_runs_on_leases(self, lease_ids: Sequence[str]) -> list[tuple[Lease, Run]]:
         """Leases among ``lease_ids`` whose bound run is still running or interrupted."""
         found: list[tuple[Lease, Run]] = []
