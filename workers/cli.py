@@ -4,6 +4,8 @@
     leasekeeper db upgrade                          apply the store's migrations
     leasekeeper reap [--dry-run] [--sweep NAME]     run every sweep once (or show what it would do)
     leasekeeper leases list|show|retry|forget       inspect leases, act on abandoned ones
+    leasekeeper metrics                             the Prometheus exporter (/metrics)
+    leasekeeper console                             the lease console (web, basic auth)
 """
 
 from __future__ import annotations
@@ -167,6 +169,22 @@ def leases_forget(lease_id: str, reason: Annotated[str, typer.Option()] = "by op
         f"operator: forgotten ({reason})", end_reason="forgotten", cleanup_attempts=0)
     typer.echo("forgotten" if moved else "only abandoned leases can be forgotten")
     raise typer.Exit(0 if moved else 1)
+
+
+@cli.command()
+def metrics() -> None:
+    """Serve Prometheus metrics on LEASEKEEPER_METRICS_HOST:LEASEKEEPER_METRICS_PORT."""
+    from workers.metrics.server import serve
+
+    serve(get_settings(), typer.echo)
+
+
+@cli.command()
+def console() -> None:
+    """Serve the lease console on LEASEKEEPER_CONSOLE_HOST:LEASEKEEPER_CONSOLE_PORT."""
+    from workers.console.server import serve
+
+    serve(get_settings(), typer.echo)
 
 
 def main() -> None:
