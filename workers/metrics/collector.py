@@ -88,6 +88,13 @@ class LeaseCollector(Collector):
         self.tick_duration = Histogram(
             "leasekeeper_sweep_tick_duration_seconds", "Duration of ticks that ran.",
             ["sweep"], buckets=_DURATION_BUCKETS_S, registry=None)
+        # Known label sets start at 0, so the first increment is an increase() too.
+        for provider in settings.providers:
+            self.orphans.labels(provider)
+            for outcome in sorted(set(_ACQUIRE_OUTCOME.values())):
+                self.acquires.labels(provider, outcome)
+            for outcome in sorted(set(_DESTROY_OUTCOME.values())):
+                self.destroys.labels(provider, outcome)
         self._derived = [self.transitions, self.acquires, self.acquire_duration,
                          self.destroys, self.destroy_duration, self.orphans, self.ticks,
                          self.tick_outcomes, self.tick_duration]
