@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
@@ -61,6 +62,19 @@ class Prometheus:
                              f"(Prometheus log: {self.log})")
 
 
+def _wait_ready(prom: Prometheus, timeout_s: float = 60.0) -> None:
+    """Until /-/ready answers 200 (the port opens while the TSDB is still loading)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"{prom.url}/-/ready", timeout=5):
+                return
+        except urllib.error.URLError:
+            if time.monotonic() > deadline or prom.proc.poll() is not None:
+                raise
+            time.sleep(0.2)
+
+
 @contextlib.contextmanager
 def running_prometheus(workdir: Path, targets: list[str]) -> Iterator[Prometheus]:
     workdir.mkdir(parents=True, exist_ok=True)
@@ -82,6 +96,8 @@ def running_prometheus(workdir: Path, targets: list[str]) -> Iterator[Prometheus
             stdout=out, stderr=subprocess.STDOUT)
     try:
         wait_for_port(port, 60, proc)
-        yield Prometheus(f"http://127.0.0.1:{port}", proc, log)
+        prom = Prometheus(f"http://127.0.0.1:{port}", proc, log)
+        _wait_ready(prom)
+        yield prom
     finally:
         stop_process(proc)
