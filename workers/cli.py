@@ -19,7 +19,6 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from models.schema import LeaseState, utcnow
 from providers.errors import LeasekeeperError
 from workers.settings import get_settings
 
@@ -153,9 +152,9 @@ def leases_show(lease_id: str) -> None:
 @leases_cli.command("retry")
 def leases_retry(lease_id: str) -> None:
     """Give an abandoned lease a fresh set of cleanup attempts."""
-    moved = _runtime().store.transition(
-        lease_id, {LeaseState.ABANDONED}, LeaseState.PENDING_CLEANUP,
-        "operator: retry cleanup", cleanup_attempts=0, next_cleanup_at=utcnow())
+    from tasks.operator import retry_abandoned
+
+    moved = retry_abandoned(_runtime().store, lease_id)
     typer.echo("queued for sweep.retry_cleanup" if moved else "only abandoned leases retry")
     raise typer.Exit(0 if moved else 1)
 
@@ -164,9 +163,9 @@ def leases_retry(lease_id: str) -> None:
 def leases_forget(lease_id: str, reason: Annotated[str, typer.Option()] = "by operator") -> None:
     """Mark an abandoned lease destroyed: the operator removed it by hand. (If it is in
     fact still there, sweep.orphans finds it and cleans it up with fresh attempts.)"""
-    moved = _runtime().store.transition(
-        lease_id, {LeaseState.ABANDONED}, LeaseState.DESTROYED,
-        f"operator: forgotten ({reason})", end_reason="forgotten", cleanup_attempts=0)
+    from tasks.operator import forget_abandoned
+
+    moved = forget_abandoned(_runtime().store, lease_id, reason)
     typer.echo("forgotten" if moved else "only abandoned leases can be forgotten")
     raise typer.Exit(0 if moved else 1)
 
