@@ -67,6 +67,10 @@ def age(moment: datetime | None) -> str:
     return f"{max(seconds, 0)}s"
 
 
+def ts(moment: datetime | None) -> str:
+    return moment.strftime("%Y-%m-%d %H:%M:%S") + "Z" if moment else "-"
+
+
 def safe_spec(spec: dict[str, Any] | None) -> dict[str, Any]:
     """The spec to show: env values and anything secret left out (names only)."""
     shown: dict[str, Any] = {}
@@ -117,6 +121,7 @@ def build_app(settings: Settings, store: Store, user: str, password: str,
     csrf = Csrf()
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True,
                              undefined=jinja2.StrictUndefined)
+    env.filters["ts"] = ts
     env.globals.update(age=age, flower=settings.console_flower_url.rstrip("/"),
                        states=list(LeaseState))
     templates = Jinja2Templates(env=env)
