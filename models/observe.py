@@ -2,7 +2,8 @@
 for the console, the lease event log tailed by id, and the sweep tick log.
 
 Every query here is index-backed (see the indexes in schema.py): counts group on
-``ix_leases_state_provider_tenant`` / ``ix_runs_status`` / ``ix_runs_reclaim_outcome``,
+``ix_leases_state_provider_tenant`` / ``ix_runs_status`` over the states that matter now (not
+the destroyed / finished history), reclaims are read by ``ix_runs_reclaimed_at``,
 pages walk ``lease_id`` (time-ordered) through the primary key or ``(state, lease_id)`` /
 ``(tenant, lease_id)``, the event tail walks the events' primary key. Writes: only
 :meth:`Observe.record_tick` (one row per beat tick, trimmed to the newest few per sweep).
@@ -17,7 +18,16 @@ from typing import Any, cast
 
 from sqlalchemy import Table, delete, func, insert, select
 
-from models.schema import Lease, LeaseEvent, LeaseState, Run, SweepTick, utcnow
+from models.schema import (
+    TERMINAL_RUN_STATUSES,
+    Lease,
+    LeaseEvent,
+    LeaseState,
+    Run,
+    RunStatus,
+    SweepTick,
+    utcnow,
+)
 from models.store import Store
 
 _L = cast(Table, Lease.__table__)
@@ -26,6 +36,10 @@ _R = cast(Table, Run.__table__)
 _T = cast(Table, SweepTick.__table__)
 
 WAITING_FOR_CLEANUP = (LeaseState.PENDING_CLEANUP, LeaseState.DESTROYING)
+# Every state but destroyed: the leases that matter now, a small slice of the index. The
+# destroyed ones are all history (counted by the exporter's transitions counter).
+NOT_DESTROYED = tuple(s for s in LeaseState if s != LeaseState.DESTROYED)
+UNFINISHED_RUNS = tuple(s for s in RunStatus if s not in TERMINAL_RUN_STATUSES)
 
 
 @dataclass(frozen=True)
@@ -55,16 +69,19 @@ class Observe:
         self.store = store
 
     # -- counts (the exporter's gauges, the console's header) -----------------------------
-    def lease_counts(self) -> list[tuple[str, str, str, int]]:
-        """(state, provider, tenant, count) for every combination present."""
+    def lease_counts(self, states: Sequence[str] = NOT_DESTROYED
+                     ) -> list[tuple[str, str, str, int]]:
+        """(state, provider, tenant, count) for every combination present in ``states``."""
         with self.store.tx() as s:
             rows = s.execute(select(_L.c.state, _L.c.provider, _L.c.tenant, func.count())
+                             .where(_L.c.state.in_(list(states)))
                              .group_by(_L.c.state, _L.c.provider, _L.c.tenant))
             return [(str(a), str(b), str(c), int(n)) for a, b, c, n in rows]
 
-    def counts_by_state(self) -> dict[str, int]:
+    def counts_by_state(self, states: Sequence[str] = NOT_DESTROYED) -> dict[str, int]:
         with self.store.tx() as s:
-            rows = s.execute(select(_L.c.state, func.count()).group_by(_L.c.state))
+            rows = s.execute(select(_L.c.state, func.count())
+                             .where(_L.c.state.in_(list(states))).group_by(_L.c.state))
             return {str(state): int(n) for state, n in rows}
 
     def oldest_cleanup_wait_since(self) -> datetime | None:
@@ -77,18 +94,20 @@ class Observe:
                        _E.c.to_state == LeaseState.PENDING_CLEANUP))
         return cast(datetime | None, value)
 
-    def run_counts(self) -> dict[str, int]:
+    def run_counts(self, statuses: Sequence[str] = UNFINISHED_RUNS) -> dict[str, int]:
         with self.store.tx() as s:
-            rows = s.execute(select(_R.c.status, func.count()).group_by(_R.c.status))
+            rows = s.execute(select(_R.c.status, func.count())
+                             .where(_R.c.status.in_(list(statuses))).group_by(_R.c.status))
             return {str(status): int(n) for status, n in rows}
 
-    def reclaim_counts(self) -> dict[str, int]:
-        """Runs by the outcome of their (latest) reclaim."""
+    def reclaims_since(self, moment: datetime) -> list[tuple[str, str, datetime]]:
+        """(run_id, outcome, reclaimed_at) of reclaims recorded at or after ``moment``."""
         with self.store.tx() as s:
-            rows = s.execute(select(_R.c.reclaim_outcome, func.count())
-                             .where(_R.c.reclaim_outcome.is_not(None))
-                             .group_by(_R.c.reclaim_outcome))
-            return {str(outcome): int(n) for outcome, n in rows}
+            rows = s.execute(select(_R.c.run_id, _R.c.reclaim_outcome, _R.c.reclaimed_at)
+                             .where(_R.c.reclaimed_at >= moment,
+                                    _R.c.reclaim_outcome.is_not(None))
+                             .order_by(_R.c.reclaimed_at))
+            return [(str(a), str(b), c) for a, b, c in rows]
 
     # -- the event log, tailed by id --------------------------------------------------
     def max_event_id(self) -> int:

@@ -126,7 +126,7 @@ class Run(Base):
 
     __table_args__ = (
         Index("ix_runs_status_detached", "status", "detached_since"),
-        Index("ix_runs_reclaim_outcome", "reclaim_outcome"),
+        Index("ix_runs_reclaimed_at", "reclaimed_at"),
     )
 
 

@@ -80,7 +80,7 @@ def running_prometheus(workdir: Path, targets: list[str]) -> Iterator[Prometheus
     workdir.mkdir(parents=True, exist_ok=True)
     config = {
         "global": {"scrape_interval": "1s", "evaluation_interval": "1s",
-                   "scrape_timeout": "900ms"},
+                   "scrape_timeout": "1s"},
         "rule_files": [str(ALERTS)],
         "scrape_configs": [{"job_name": "leasekeeper",
                             "static_configs": [{"targets": targets}]}],

@@ -1,16 +1,17 @@
 """The exporter reads the lease event log by id exactly once, even when ids commit out of
-order (PostgreSQL sequences): a skipped id is read when it appears, or given up later."""
+order (PostgreSQL sequences): a skipped id is read when it appears, or given up later.
+Reclaim outcomes, stamped before commit, are counted once each, late commits included."""
 
 from __future__ import annotations
 
 from datetime import timedelta
 
-from sqlalchemy import insert
+from sqlalchemy import insert, update
 
 from models.observe import Observe
-from models.schema import LeaseEvent, LeaseState, utcnow
+from models.schema import LeaseEvent, LeaseState, Run, utcnow
 from models.store import NewLease, Store
-from workers.metrics.tail import IdTail
+from workers.metrics.tail import IdTail, ReclaimTail
 
 
 def _lease(store: Store, lease_id: str) -> None:
@@ -52,4 +53,25 @@ def test_late_commits_are_read_once_and_old_gaps_given_up(store_url: str) -> Non
     _event(store, 6, "a1")
     assert [(e.id, e.provider, e.to_state) for e in tail.poll(observe.events_from, 1)] == [
         (6, "local", "active")]
+    store.dispose()
+
+
+def test_reclaims_are_counted_once_including_late_commits(store_url: str) -> None:
+    store = Store(store_url)
+    observe = Observe(store)
+    start = utcnow() - timedelta(seconds=10)  # the exporter started 10 s ago
+    tail = ReclaimTail(start)
+    for run_id in ("r1", "r2", "r3"):
+        store.start_run(run_id, None, "local", f"sk-{run_id}")
+    with store.tx() as s:  # reclaimed before the exporter started: not counted
+        s.execute(update(Run).where(Run.run_id == "r3").values(
+            reclaim_outcome="not-found", reclaimed_at=start - timedelta(seconds=5)))
+    store.record_reclaim("r1", "destroyed")
+    assert tail.poll(observe.reclaims_since) == ["destroyed"]
+    assert tail.poll(observe.reclaims_since) == []  # not twice
+    newest = store.get_run("r1").reclaimed_at
+    with store.tx() as s:  # stamped before r1's, committed after it
+        s.execute(update(Run).where(Run.run_id == "r2").values(
+            reclaim_outcome="provider-mismatch", reclaimed_at=newest - timedelta(seconds=1)))
+    assert tail.poll(observe.reclaims_since) == ["provider-mismatch"]
     store.dispose()

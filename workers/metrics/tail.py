@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import datetime, timedelta
 from typing import Protocol, TypeVar
 
 
@@ -68,3 +69,29 @@ class IdTail:
                 del self._gaps[gap]
         self.next_id = min(self._gaps) if self._gaps else self._high + 1
         self._seen = {i for i in self._seen if i >= self.next_id}
+
+
+@dataclass
+class ReclaimTail:
+    """Reclaim outcomes recorded on runs since ``start``, each counted once. ``reclaimed_at``
+    is set before commit, so every poll re-reads ``overlap_s`` before the newest time seen,
+    for commits that land late."""
+
+    start: datetime
+    overlap_s: float = 30.0
+    _newest: datetime | None = None
+    _seen: set[tuple[str, datetime]] = field(default_factory=set)
+
+    def poll(self, fetch: Callable[[datetime], list[tuple[str, str, datetime]]]) -> list[str]:
+        newest = self._newest or self.start
+        outcomes = []
+        for run_id, outcome, at in fetch(max(self.start, newest - timedelta(
+                seconds=self.overlap_s))):
+            if (run_id, at) not in self._seen:
+                self._seen.add((run_id, at))
+                outcomes.append(outcome)
+                newest = max(newest, at)
+        self._newest = newest
+        horizon = newest - timedelta(seconds=self.overlap_s)
+        self._seen = {key for key in self._seen if key[1] >= horizon}
+        return outcomes

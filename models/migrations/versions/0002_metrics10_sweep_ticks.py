@@ -36,12 +36,12 @@ def upgrade() -> None:
         batch_op.create_index('ix_leases_state_lease_id', ['state', 'lease_id'], unique=False)
         batch_op.create_index('ix_leases_tenant_lease_id', ['tenant', 'lease_id'], unique=False)
     with op.batch_alter_table('runs', schema=None) as batch_op:
-        batch_op.create_index('ix_runs_reclaim_outcome', ['reclaim_outcome'], unique=False)
+        batch_op.create_index('ix_runs_reclaimed_at', ['reclaimed_at'], unique=False)
 
 
 def downgrade() -> None:
     with op.batch_alter_table('runs', schema=None) as batch_op:
-        batch_op.drop_index('ix_runs_reclaim_outcome')
+        batch_op.drop_index('ix_runs_reclaimed_at')
     with op.batch_alter_table('leases', schema=None) as batch_op:
         batch_op.drop_index('ix_leases_tenant_lease_id')
         batch_op.drop_index('ix_leases_state_lease_id')
