@@ -54,6 +54,7 @@ class TailedEvent:
     provider: str
     backend: str | None
     created_at: datetime  # the lease's intent time
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class Observe:
         with self.store.tx() as s:
             rows = s.execute(
                 select(_E.c.id, _E.c.lease_id, _E.c.at, _E.c.from_state, _E.c.to_state,
-                       _L.c.provider, _L.c.backend, _L.c.created_at)
+                       _L.c.provider, _L.c.backend, _L.c.created_at, _E.c.reason)
                 .select_from(_E.join(_L, _L.c.lease_id == _E.c.lease_id))
                 .where(_E.c.id >= first_id).order_by(_E.c.id).limit(limit))
             return [TailedEvent(*row) for row in rows]

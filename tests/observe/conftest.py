@@ -66,6 +66,6 @@ def exporter(own_stack: WorkerStack, tmp_path: Path) -> Iterator[str]:
     """A running `leasekeeper metrics`; yields its host:port."""
     port = free_port()
     env = {"LEASEKEEPER_METRICS_PORT": str(port), "LEASEKEEPER_METRICS_TENANT_TOP_N": "3",
-           "LEASEKEEPER_METRICS_WORKER_PING_TIMEOUT_S": "0.3"}
+           "LEASEKEEPER_METRICS_WORKER_PING_TIMEOUT_S": "0.5"}
     with leasekeeper_process(own_stack, "metrics", env, port, tmp_path / "exporter.log"):
         yield f"127.0.0.1:{port}"

@@ -1,5 +1,5 @@
 """A real Prometheus server (Debian's ``prometheus``) for tests: scrapes given targets every
-second, evaluates deploy/prometheus/alerts.yml, and answers PromQL through its HTTP API.
+two seconds, evaluates deploy/prometheus/alerts.yml, and answers PromQL through its HTTP API.
 Started on a free loopback port with its own data dir; stopped by pid."""
 
 from __future__ import annotations
@@ -50,6 +50,14 @@ class Prometheus:
         result = self.query(promql)
         return sum(float(r["value"][1]) for r in result) if result else None
 
+    def wait_true(self, condition: str, timeout_s: float = 60.0) -> None:
+        """Until the PromQL comparison ``condition`` (e.g. ``x >= 1``) returns a series."""
+        deadline = time.monotonic() + timeout_s
+        while not self.query(condition):
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{condition} never held within {timeout_s}s")
+            time.sleep(0.25)
+
     def wait_value(self, promql: str, expected: float, timeout_s: float = 60.0) -> None:
         deadline = time.monotonic() + timeout_s
         seen: float | None = None
@@ -79,8 +87,8 @@ def _wait_ready(prom: Prometheus, timeout_s: float = 60.0) -> None:
 def running_prometheus(workdir: Path, targets: list[str]) -> Iterator[Prometheus]:
     workdir.mkdir(parents=True, exist_ok=True)
     config = {
-        "global": {"scrape_interval": "1s", "evaluation_interval": "1s",
-                   "scrape_timeout": "1s"},
+        "global": {"scrape_interval": "2s", "evaluation_interval": "1s",
+                   "scrape_timeout": "2s"},
         "rule_files": [str(ALERTS)],
         "scrape_configs": [{"job_name": "leasekeeper",
                             "static_configs": [{"targets": targets}]}],

@@ -3,6 +3,8 @@ and the values are read back through Prometheus' HTTP API (/api/v1/query)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import uuid
 from pathlib import Path
 
@@ -29,7 +31,7 @@ def test_prometheus_reads_lease_metrics_while_leases_move(
     with running_prometheus(tmp_path / "prometheus", [exporter]) as prom:
         prom.wait_value('up{job="leasekeeper"}', 1)
         prom.wait_value("leasekeeper_store_up", 1)
-        assert (prom.value("leasekeeper_workers_up") or 0) >= 1
+        prom.wait_true("leasekeeper_workers_up >= 1")  # a ping answered
 
         # Given leases of four tenants, two of one: with LEASEKEEPER_METRICS_TENANT_TOP_N=3
         # the fourth tenant is counted as "other".
@@ -64,6 +66,15 @@ def test_prometheus_reads_lease_metrics_while_leases_move(
         assert prom.value('leasekeeper_lease_transitions_total{from_state="destroying",'
                           'to_state="destroyed",provider="local"}') == 1
 
+        # When a sandbox's process dies, the resume check says so: not resumable, exited.
+        victim = store.get_lease(lease_ids[4])
+        os.killpg(int(victim.provider_meta["pid"]), signal.SIGKILL)
+        eventually(lambda: producer.check_resumable(victim.lease_id).get(60)["resumable"]
+                   is False, 60, "the resume check to see the process gone")
+        prom.wait_value('leasekeeper_not_resumable_total{provider="local",'
+                        'reason_class="exited"}', 1)
+        prom.wait_value('leasekeeper_destroys_total{provider="local",outcome="destroyed"}', 2)
+
         # When an acquire fails for good, it is counted as failed.
         own_stack.faults.write({"acquire": [{"fault": "terminal", "when": "before", "times": 1}]})
         with pytest.raises(TerminalProviderError):
@@ -90,5 +101,5 @@ def test_prometheus_reads_lease_metrics_while_leases_move(
                           'sweep="sweep.retry_cleanup",run="ran"}') is not None
         # A ping can miss under load (NoWorker waits 2m for that); the worker was seen.
         assert (prom.value("max_over_time(leasekeeper_workers_up[10m])") or 0) >= 1
-        for lease_id in lease_ids[1:]:
+        for lease_id in lease_ids[1:4]:
             producer.destroy_lease(lease_id).get(60)

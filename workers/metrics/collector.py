@@ -37,11 +37,29 @@ _ACQUIRE_OUTCOME = {LeaseState.ACTIVE: "active", LeaseState.PENDING_CLEANUP: "fa
 _DESTROY_OUTCOME = {LeaseState.DESTROYED: "destroyed", LeaseState.PENDING_CLEANUP: "failed",
                     LeaseState.ABANDONED: "abandoned"}
 
+# A resume check that answered "not resumable" is the lease event active -> pending_cleanup
+# with this reason prefix (the resume check, or a reuse at acquire); its reason, classified.
+NOT_RESUMABLE_PREFIX = "not resumable: "
+REASON_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("gone", ("no longer exists", "never started")),
+    ("exited", ("exited", "is Succeeded", "is Failed", "Finished")),
+    ("terminating", ("terminating",)),
+    ("not_ready", ("did not become Ready",)),
+    ("no_pod", ("no backing pod",)),
+)
+
 Pinger = Callable[[float], int]  # timeout -> number of workers that answered
 
 
 def utc_timestamp(moment: datetime) -> float:
     return (moment - datetime(1970, 1, 1)).total_seconds()
+
+
+def reason_class(reason: str) -> str:
+    for name, needles in REASON_CLASSES:
+        if any(needle in reason for needle in needles):
+            return name
+    return "other"
 
 
 def rank_tenants(counts: Iterable[tuple[str, str, str, int]], top_n: int) -> set[str]:
@@ -78,6 +96,10 @@ class LeaseCollector(Collector):
         self.orphans = Counter(
             "leasekeeper_orphans_recorded", "Provider resources no lease accounted for, "
             "recorded by sweep.orphans.", ["provider"], registry=None)
+        self.not_resumable = Counter(
+            "leasekeeper_not_resumable", "Resume checks that answered not resumable, by "
+            "reason class (gone, exited, terminating, not_ready, no_pod, other).",
+            ["provider", "reason_class"], registry=None)
         self.reclaims = Counter("leasekeeper_run_reclaims", "Reclaims recorded, by outcome.",
                                 ["outcome"], registry=None)
         for reclaim_outcome in ReclaimOutcome:
@@ -98,8 +120,9 @@ class LeaseCollector(Collector):
             for outcome in sorted(set(_DESTROY_OUTCOME.values())):
                 self.destroys.labels(provider, outcome)
         self._derived = [self.transitions, self.acquires, self.acquire_duration,
-                         self.destroys, self.destroy_duration, self.orphans, self.reclaims,
-                         self.ticks, self.tick_outcomes, self.tick_duration]
+                         self.destroys, self.destroy_duration, self.orphans,
+                         self.not_resumable, self.reclaims, self.ticks, self.tick_outcomes,
+                         self.tick_duration]
 
     # -- scrape -----------------------------------------------------------------------
     def collect(self) -> Iterable[Metric]:
@@ -188,6 +211,9 @@ class LeaseCollector(Collector):
             backend = e.backend or ""
             if e.to_state == LeaseState.DESTROYING:
                 claimed_at[e.lease_id] = e.at
+            if (e.from_state == LeaseState.ACTIVE and e.to_state == LeaseState.PENDING_CLEANUP
+                    and e.reason.startswith(NOT_RESUMABLE_PREFIX)):
+                self.not_resumable.labels(e.provider, reason_class(e.reason)).inc()
             if e.from_state is None and e.to_state == LeaseState.PENDING_CLEANUP:
                 self.orphans.labels(e.provider).inc()
             if e.from_state == LeaseState.PROVISIONING and e.to_state in _ACQUIRE_OUTCOME:
