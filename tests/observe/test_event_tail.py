@@ -75,3 +75,26 @@ def test_reclaims_are_counted_once_including_late_commits(store_url: str) -> Non
             reclaim_outcome="provider-mismatch", reclaimed_at=newest - timedelta(seconds=1)))
     assert tail.poll(observe.reclaims_since) == ["provider-mismatch"]
     store.dispose()
+
+
+def test_sweep_tick_log_keeps_the_newest_ticks_of_each_sweep(store_url: str) -> None:
+    store = Store(store_url)
+    observe = Observe(store)
+    for n in range(4):
+        observe.record_tick("sweep.orphans", "ran", n, {"recorded": n}, {"items": []}, None, 2)
+    observe.record_tick("sweep.reap_runs", "failed", 0, {}, {"error": "x"}, "t-1", 2)
+    assert [t.counts["recorded"] for t in observe.recent_ticks("sweep.orphans", 10)] == [3, 2]
+    assert [t.run for t in observe.recent_ticks("sweep.reap_runs", 10)] == ["failed"]
+    assert {(sweep, run) for sweep, run, _at in observe.last_ticks()} == {
+        ("sweep.orphans", "ran"), ("sweep.reap_runs", "failed")}
+    store.dispose()
+
+
+def test_the_migration_goes_down_and_up(store_url: str) -> None:
+    from models.migrate import downgrade, upgrade
+
+    downgrade(store_url, "0001")
+    upgrade(store_url)
+    store = Store(store_url)
+    assert Observe(store).max_tick_id() == 0
+    store.dispose()
