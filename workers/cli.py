@@ -80,6 +80,8 @@ def up(
                    f"{get_settings().effective_store_url}")
         typer.echo(f"Flower: {backend.flower_url} (basic auth user:password in {creds}; "
                    "set LEASEKEEPER_FLOWER_BASIC_AUTH to choose them)")
+        typer.echo(f"metrics: {backend.metrics_url}; lease console: {backend.console_url} "
+                   "(the same basic auth)")
         typer.echo(f"logs: {backend.logdir}")
         ok = True
         if demo:
