@@ -31,7 +31,7 @@ MAX_ENV_NAME_CHARS = 256
 MAX_ENV_VALUE_CHARS = 32768
 MAX_LABELS = 64
 MAX_NAME_CHARS = 253  # image, provider, backend, resource quantities
-MAX_SPEC_CHARS = 256 * 1024  # command, env and secret_env together
+MAX_SPEC_CHARS = 128 * 1024  # command, env and secret_env together
 
 
 def echo(value: object) -> str:

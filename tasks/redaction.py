@@ -7,6 +7,9 @@ task events (Flower), ``celery inspect`` answers and log lines. So the worker re
 - ``RedactingRequest`` (every leasekeeper task's ``Request`` class) replaces the client's
   reprs with bounded reprs of the arguments with every ``secret_env`` value as ``***``
   (by field), before the task-received event, the logs or ``inspect`` see them;
+- ``RedactingConsumer`` (the worker's consumer) hands Celery a redacted copy of a message
+  whose task name is unknown, so the body and headers Celery logs about it are redacted by
+  field, and the name it echoes is cut short;
 - ``RedactingFilter`` (on the worker's and beat's log handlers) rewrites every log record:
   text that looks like a ``secret_env`` mapping in any repr or JSON, as Celery logs the
   whole body of a message for an unknown task name (by value-scan), and any secret value
@@ -15,14 +18,17 @@ task events (Flower), ``celery inspect`` answers and log lines. So the worker re
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from celery.utils.saferepr import saferepr
+from celery.worker.consumer import Consumer
 from celery.worker.request import Request
 
 from providers.spec import REDACTED
@@ -105,53 +111,18 @@ def remember(values: Iterable[str]) -> None:
 # -- value-scan: secret_env mappings in free text ------------------------------------------
 # `'secret_env': `, `"secret_env": `, `\"secret_env\": ` (JSON in a string), `secret_env=`.
 _FIELD = re.compile(r"""secret_env\\?['"]?\s*[:=]\s*""")
-_OPEN = {"{": "}", "[": "]", "(": ")"}
-
-
-def _value_end(text: str, start: int) -> int:
-    """Index just past the value starting at ``start`` (a quoted string, a bracketed group
-    with quotes respected, or a bare token); the end of the text if it is cut short."""
-    if start >= len(text):
-        return start
-    first = text[start]
-    if first in _OPEN:
-        closers: list[str] = []
-        quote: str | None = None
-        i = start
-        while i < len(text):
-            ch = text[i]
-            if ch == "\\":
-                i += 2
-                continue
-            if quote:
-                if ch == quote:
-                    quote = None
-            elif ch in "'\"":
-                quote = ch
-            elif ch in _OPEN:
-                closers.append(_OPEN[ch])
-            elif closers and ch == closers[-1]:
-                closers.pop()
-                if not closers:
-                    return i + 1
-            i += 1
-        return len(text)
-    if first in "'\"":
-        i = start + 1
-        while i < len(text):
-            if text[i] == "\\":
-                i += 2
-                continue
-            if text[i] == first:
-                return i + 1
-            i += 1
-        return len(text)
-    match = re.compile(r"[^,}\])\s]*").match(text, start)
-    return match.end() if match else start
+# What the field-based redaction already wrote: `{'NAME': '***', ...}` (or JSON quotes).
+_Q = r"""\\?['"]"""
+_ALREADY = re.compile(rf"\{{(\s*{_Q}[A-Za-z0-9_]*{_Q}:\s*{_Q}\*\*\*{_Q},?)*\s*\}}|{_Q}\*\*\*{_Q}")
 
 
 def scrub_text(text: str) -> str:
-    """``text`` with every ``secret_env`` mapping and every known secret value redacted."""
+    """``text`` with every ``secret_env`` value and every known secret value redacted.
+
+    A ``secret_env`` value not already in the redacted shape is cut from there to the end
+    of its line: reprs of reprs of JSON nest escapes too deeply to find where a value ends
+    for sure, and a debug dump losing its tail is better than a secret shown.
+    """
     if "secret_env" in text:
         out: list[str] = []
         pos = 0
@@ -159,8 +130,14 @@ def scrub_text(text: str) -> str:
             if match.start() < pos:
                 continue
             out.append(text[pos:match.end()])
-            out.append(f"'{REDACTED}'")
-            pos = _value_end(text, match.end())
+            done = _ALREADY.match(text, match.end())
+            if done:
+                out.append(done.group(0))
+                pos = done.end()
+            else:
+                line_end = text.find("\n", match.end())
+                pos = len(text) if line_end < 0 else line_end
+                out.append(f"'{REDACTED}' [rest of line withheld]")
         out.append(text[pos:])
         text = "".join(out)
     with _known_lock:
@@ -191,6 +168,34 @@ class RedactingRequest(Request):  # type: ignore[misc]
     def info(self, safe: bool = False) -> dict[str, Any]:
         info: dict[str, Any] = super().info(safe=True)  # never the raw arguments
         return info
+
+
+@contextlib.contextmanager
+def _redacted_message(message: Any) -> Iterator[None]:
+    """While Celery reports the message, its body and headers are redacted copies."""
+    body, headers = message.body, message.headers
+    try:
+        args, kwargs, embed = message.decode()
+        message.body = json.dumps(redact([args, kwargs, embed])).encode()
+        reprs = {"argsrepr": bounded_repr(args), "kwargsrepr": bounded_repr(kwargs)}
+    except Exception:  # not the JSON task protocol: say only how big it was
+        message.body = f"<{len(body or b'')} bytes, not shown>".encode()
+        reprs = {"argsrepr": "?", "kwargsrepr": "?"}
+    message.headers = {**redact(dict(headers or {})), **reprs,
+                       "task": bounded(str((headers or {}).get("task")), 200)}
+    try:
+        yield
+    finally:
+        message.body, message.headers = body, headers
+
+
+class RedactingConsumer(Consumer):  # type: ignore[misc]
+    """The worker's consumer: what it reports about an unknown task shows no secret."""
+
+    def on_unknown_task(self, body: Any, message: Any, exc: BaseException) -> None:
+        with _redacted_message(message):
+            name = str(exc.args[0]) if exc.args else str(exc)  # KeyError(name), cut short
+            super().on_unknown_task(None, message, KeyError(bounded(name, 200)))
 
 
 class RedactingFilter(logging.Filter):
