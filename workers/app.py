@@ -89,10 +89,10 @@ def _redact_logs(logger: logging.Logger, **_: Any) -> None:
 @celeryd_after_setup.connect
 def _say_which_broker(**_: Any) -> None:
     settings = get_settings()
-    # A worker on the built-in default says so even at the default log level (WARNING).
-    level = logging.INFO if settings.broker_url else logging.WARNING
-    logging.getLogger("leasekeeper.worker").log(
-        level, "leasekeeper worker: broker %s (from %s), queue %s, store %s",
+    # At WARNING, so it shows at the default log level too: a worker looping on an
+    # unreachable broker must say which one and why that one.
+    logging.getLogger("leasekeeper.worker").warning(
+        "leasekeeper worker: broker %s (from %s), queue %s, store %s",
         maybe_sanitize_url(settings.effective_broker_url), settings.broker_source(),
         settings.task_queue, maybe_sanitize_url(settings.effective_store_url))
 
