@@ -8,8 +8,8 @@ task events (Flower), ``celery inspect`` answers and log lines. So the worker re
   reprs with bounded reprs of the arguments with every ``secret_env`` value as ``***``
   (by field), before the task-received event, the logs or ``inspect`` see them;
 - ``RedactingConsumer`` (the worker's consumer) hands Celery a redacted copy of a message
-  whose task name is unknown, so the body and headers Celery logs about it are redacted by
-  field, and the name it echoes is cut short;
+  whose task name is unknown (or that is invalid or undecodable), so the body and headers
+  Celery logs about it are redacted by field, and the name it echoes is cut short;
 - ``RedactingFilter`` (on the worker's and beat's log handlers) rewrites every log record:
   text that looks like a ``secret_env`` mapping in any repr or JSON, as Celery logs the
   whole body of a message for an unknown task name (by value-scan), and any secret value
@@ -174,6 +174,7 @@ class RedactingRequest(Request):  # type: ignore[misc]
 def _redacted_message(message: Any) -> Iterator[None]:
     """While Celery reports the message, its body and headers are redacted copies."""
     body, headers = message.body, message.headers
+    # A reporting path must never fail, whatever the message holds: broad excepts here.
     try:
         args, kwargs, embed = message.decode()
         message.body = json.dumps(redact([args, kwargs, embed])).encode()
@@ -181,8 +182,11 @@ def _redacted_message(message: Any) -> Iterator[None]:
     except Exception:  # not the JSON task protocol: say only how big it was
         message.body = f"<{len(body or b'')} bytes, not shown>".encode()
         reprs = {"argsrepr": "?", "kwargsrepr": "?"}
-    message.headers = {**redact(dict(headers or {})), **reprs,
-                       "task": bounded(str((headers or {}).get("task")), 200)}
+    try:
+        shown = redact(dict(headers or {}))
+    except Exception:
+        shown = {}
+    message.headers = {**shown, **reprs, "task": bounded(str(shown.get("task")), 200)}
     try:
         yield
     finally:
@@ -190,7 +194,20 @@ def _redacted_message(message: Any) -> Iterator[None]:
 
 
 class RedactingConsumer(Consumer):  # type: ignore[misc]
-    """The worker's consumer: what it reports about an unknown task shows no secret."""
+    """The worker's consumer: what it reports about a message it cannot run (an unknown
+    task name, an invalid or undecodable message) shows no secret."""
+
+    def on_invalid_task(self, body: Any, message: Any, exc: BaseException) -> None:
+        with _redacted_message(message):
+            super().on_invalid_task(None, message, exc)
+
+    def on_unknown_message(self, body: Any, message: Any) -> None:
+        with _redacted_message(message):
+            super().on_unknown_message(None, message)
+
+    def on_decode_error(self, message: Any, exc: BaseException) -> None:
+        with _redacted_message(message):
+            super().on_decode_error(message, exc)
 
     def on_unknown_task(self, body: Any, message: Any, exc: BaseException) -> None:
         with _redacted_message(message):

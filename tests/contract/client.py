@@ -8,6 +8,7 @@ JSON line on stdout:
      "countdown": 0, "wait_s": 60}          -> {"id", "state", "result" | "error"}
     {"op": "get", "id": "...", "wait_s": 60} -> the same, for a task sent earlier
     {"op": "inspect", "method": "scheduled"} -> {"reply": {...}}  (celery inspect, as Flower)
+    {"op": "raw", "body": "...", "headers": {...}} -> a message published as is
 
 ``error`` is ``{"type", "message"}`` of the exception the worker stored.
 """
@@ -51,6 +52,12 @@ def main() -> None:
             reply = answer(sent, request.get("wait_s", 60))
         elif op == "get":
             reply = answer(app.AsyncResult(request["id"]), request.get("wait_s", 60))
+        elif op == "raw":  # a message as a broken client might publish it
+            with app.producer_or_acquire() as producer:
+                producer.publish(request["body"], routing_key=queue, exchange="",
+                                 headers=request["headers"], content_type="application/json",
+                                 content_encoding="utf-8")
+            reply = {"id": request["headers"].get("id"), "state": "SENT"}
         elif op == "inspect":
             method = getattr(app.control.inspect(timeout=2), request["method"])
             reply = {"reply": method()}

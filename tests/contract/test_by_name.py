@@ -38,11 +38,11 @@ pytestmark = pytest.mark.timeout(600)
 # Each value's random middle is what the leak checks look for, however it was escaped.
 CORES = {name: uuid.uuid4().hex for name in (
     "API_TOKEN", "DB_PASSWORD", "RETRY_KEY", "FAILED_KEY", "DESTROY_KEY", "UNKNOWN_KEY",
-    "POSITIONAL_KEY", "BADSPEC_KEY", "NOCMD_KEY", "EXTRA_KEY", "SCHEDULED_KEY")}
+    "POSITIONAL_KEY", "BADSPEC_KEY", "NOCMD_KEY", "EXTRA_KEY", "SCHEDULED_KEY", "RAW_KEY")}
 SECRETS = {name: f"{name.lower()}-{CORES[name]}" + tail for name, tail in [
     ("API_TOKEN", ""), ("DB_PASSWORD", "'q\"}{\\"), ("RETRY_KEY", ""), ("FAILED_KEY", ""),
     ("DESTROY_KEY", ""), ("UNKNOWN_KEY", ""), ("POSITIONAL_KEY", ""), ("BADSPEC_KEY", ""),
-    ("NOCMD_KEY", ""), ("EXTRA_KEY", ""), ("SCHEDULED_KEY", ""),
+    ("NOCMD_KEY", ""), ("EXTRA_KEY", ""), ("SCHEDULED_KEY", ""), ("RAW_KEY", ""),
 ]}
 MAX_ERROR_CHARS = 400
 
@@ -146,6 +146,11 @@ def sent(contract: Contract) -> dict[str, Any]:
     out["extra"] = send("lease.acquire", {"run_id": rid("extra"), "spec": {},
                                           "secret_env": {"EXTRA_KEY": SECRETS["EXTRA_KEY"]}})
 
+    # A message that is not even JSON (cut short), for a real task name: Celery logs it.
+    task_id = str(uuid.uuid4())
+    client.request(op="raw", headers={"id": task_id, "task": "lease.acquire", "lang": "py"},
+                   body='[[], {"spec": {"secret_env": {"RAW_KEY": "' + SECRETS["RAW_KEY"])
+
     # A task waiting for its countdown, as `celery inspect scheduled` (and Flower) see it.
     scheduled = client.send("lease.acquire", {"run_id": rid("sched"), "spec": secret_spec(
         "SCHEDULED_KEY")}, countdown=3, wait_s=0)
@@ -222,6 +227,7 @@ def test_not_one_secret_anywhere(contract: Contract, sent: dict[str, Any]) -> No
     places["flower log"] = flower.logfile.read_text(errors="replace")
     assert "Received unregistered task of type 'lease.acquier'" in places["worker log"]
     assert "retry" in places["worker log"]  # the retried acquire was logged
+    assert "Can't decode message body" in places["worker log"]  # the raw message, reported
     leaks = {where: sorted(n for n, core in CORES.items() if core in text)
              for where, text in places.items()}
     leaks = {where: names for where, names in leaks.items() if names}
