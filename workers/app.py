@@ -10,6 +10,7 @@ At start the worker logs which broker it uses (password hidden) and where that c
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
@@ -82,8 +83,10 @@ def _redact_logs(logger: logging.Logger, **_: Any) -> None:
     from tasks.redaction import install_filter
 
     install_filter(logger)
-    # The var dir holds beat's schedule file (opened right after logging is set up).
-    get_settings().var_dir.mkdir(parents=True, exist_ok=True)
+    # The var dir holds beat's schedule file (opened right after logging is set up). If
+    # it cannot be made, the process using it reports that itself, naming the path.
+    with contextlib.suppress(OSError):
+        get_settings().var_dir.mkdir(parents=True, exist_ok=True)
 
 
 @celeryd_after_setup.connect
