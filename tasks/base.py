@@ -28,9 +28,15 @@ from celery.utils.time import get_exponential_backoff_interval
 
 from providers.errors import InvalidRequest, LeasekeeperError, is_transient
 from providers.spec import check_id, echo
-from tasks.redaction import RedactingRequest, redact, remember, scrub_exception, secret_values
+from tasks.redaction import (
+    RedactingRequest,
+    bounded_repr,
+    redact,
+    remember,
+    scrub_exception,
+    secret_values,
+)
 from workers.runtime import Runtime, get_runtime
-from workers.settings import get_settings
 
 log = logging.getLogger("leasekeeper.tasks")
 ID_FIELDS = frozenset({"lease_id", "run_id"})
@@ -77,7 +83,8 @@ class LeaseTask(Task):  # type: ignore[misc]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         remember(secret_values(kwargs))
         try:
-            check_payload(self.name, self.run, args, kwargs, get_settings().max_payload_bytes)
+            check_payload(self.name, self.run, args, kwargs,
+                          self.runtime.settings.max_payload_bytes)
             return super().__call__(*args, **kwargs)
         except Retry:
             raise
@@ -86,8 +93,8 @@ class LeaseTask(Task):  # type: ignore[misc]
             raise
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        options.setdefault("argsrepr", repr(redact(list(args or ()))))
-        options.setdefault("kwargsrepr", repr(redact(dict(kwargs or {}))))
+        options.setdefault("argsrepr", bounded_repr(list(args or ())))
+        options.setdefault("kwargsrepr", bounded_repr(dict(kwargs or {})))
         return super().apply_async(args, kwargs, **options)
 
     @property
