@@ -36,6 +36,7 @@ test: $(STAMP) system-deps kube-binaries lint
 bench: $(STAMP) system-deps kube-binaries
 	$(PY) bench/throughput.py
 	$(PY) bench/kube_ops.py
+	$(PY) bench/redelivery.py
 
 clean:
 	rm -rf $(VENV) .var

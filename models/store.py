@@ -253,8 +253,11 @@ class Store:
         with self.tx() as s:
             if s.get(Run, run_id) is None:
                 raise NotFound(f"no run {run_id!r}")
+            # Only a real change writes: a repeated detach keeps the first detached_since
+            # (a redelivery never postpones the reap), an attach of an attached run is a no-op.
+            state = Run.detached_since.is_(None) if detached else Run.detached_since.isnot(None)
             result = s.execute(
-                update(Run).where(Run.run_id == run_id, Run.status == RunStatus.RUNNING)
+                update(Run).where(Run.run_id == run_id, Run.status == RunStatus.RUNNING, state)
                 .values(detached_since=utcnow() if detached else None)
             )
             return RunChange.CHANGED if _rowcount(result) == 1 else RunChange.UNCHANGED

@@ -32,6 +32,7 @@ from providers.base import (
 )
 from providers.errors import ProviderConflict, TerminalProviderError, TransientProviderError
 from providers.local import LocalProvider
+from providers.spec import SandboxSpec
 
 T = TypeVar("T")
 
@@ -93,6 +94,9 @@ class FaultyProvider:
 
     def lease_name(self, lease_id: str) -> str:
         return self.inner.lease_name(lease_id)
+
+    def check_spec(self, spec: SandboxSpec) -> None:
+        self.inner.check_spec(spec)
 
     def acquire(self, request: AcquireRequest) -> Acquired:
         return self._around("acquire", lambda: self.inner.acquire(request))

@@ -209,7 +209,8 @@ def parse_acquire(run_id: object, spec: object) -> tuple[str, SandboxSpec]:
     """Validate an acquire payload; InvalidRequest names every problem."""
     try:
         check_id("run_id", run_id)
-        parsed = spec if isinstance(spec, SandboxSpec) else SandboxSpec.model_validate(spec or {})
+        parsed = spec if isinstance(spec, SandboxSpec) else SandboxSpec.model_validate(
+            {} if spec is None else spec)
     except ValueError as exc:
         raise InvalidRequest(f"invalid lease.acquire payload: {_safe(exc)}") from None
     assert isinstance(run_id, str)
@@ -229,6 +230,9 @@ def _safe(exc: ValueError) -> str:
 def acquire(self: LeaseTask, run_id: str, spec: dict[str, Any] | None = None) -> dict[str, Any]:
     run_id, parsed = parse_acquire(run_id, spec)
     rt = self.runtime
+    # A spec the provider can never run (a local command that does not exist) is refused
+    # here, before a run or lease row exists or anything is created.
+    rt.provider(parsed.provider or rt.settings.provider).check_spec(parsed)
 
     def keep_provisioning(countdown_s: float) -> None:
         # The retry will pick the lease up again: its deadline covers the wait and the try.

@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Any
 
 from models.schema import FINAL_STATES, LIVE_STATES, LeaseState
-from providers.errors import ProviderError, is_transient
+from providers.errors import InvalidRequest, ProviderError, is_transient
 from tasks.base import LeaseTask
 from tasks.leases import handle, later
 from workers.app import app
@@ -95,6 +95,9 @@ def _record_failure(
 
 @app.task(bind=True, base=LeaseTask, name="lease.destroy")
 def destroy(self: LeaseTask, lease_id: str, reason: str = "requested") -> dict[str, Any]:
+    if not isinstance(reason, str):
+        raise InvalidRequest("invalid lease.destroy payload: reason must be a string")
+    reason = reason[:200]
     with self.retrying():
         done = destroy_lease(self.runtime, lease_id, reason, self.request.id)
     if done.error is not None:
