@@ -59,7 +59,7 @@ UNFINISHED_RUN_STATUSES = (RunStatus.RUNNING, RunStatus.INTERRUPTED)
 def settle_runs_on_lease_end(s: Session, lease_id: str, frm: str | None, to: str,
                              end_reason: str | None) -> str:
     """Inside a lease transition's transaction, keep its runs truthful; returns a note for
-    the transition's event (empty when nothing changed).
+    the transition's event when a reclaim outcome changed (empty otherwise).
 
     - the lease ended (destroyed or abandoned): every run still running or interrupted on
       it is aborted with the lease's end reason (its sandbox is gone, or given up on);
@@ -68,15 +68,15 @@ def settle_runs_on_lease_end(s: Session, lease_id: str, frm: str | None, to: str
     - a destroyed lease going back to cleanup (its resource was still there): a reclaim
       that reported ``destroyed`` is ``destroy-failed`` until a destroy really takes.
     """
-    runs, now, notes = _RUNS, utcnow(), []
+    runs, now = _RUNS, utcnow()
+    notes: list[str] = []
     if to in FINAL_STATES:
-        settled = s.scalars(update(runs).where(
+        # The run row itself says why (its error names the lease and its end reason).
+        s.execute(update(runs).where(
             runs.c.lease_id == lease_id, runs.c.status.in_(UNFINISHED_RUN_STATUSES))
             .values(status=RunStatus.ABORTED, finished_at=now, reclaim_due=False,
                     reclaim_claimed_until=None,
-                    error=f"its lease {lease_id} ended: {end_reason or to}")
-            .returning(runs.c.run_id)).all()
-        notes += [f"run {run_id} aborted: its lease ended" for run_id in settled]
+                    error=f"its lease {lease_id} ended: {end_reason or to}"))
     flip: tuple[ReclaimOutcome, ReclaimOutcome] | None = None
     if to == LeaseState.DESTROYED:
         flip = (ReclaimOutcome.DESTROY_FAILED, ReclaimOutcome.DESTROYED)

@@ -90,6 +90,4 @@ def test_abandonment_settles_the_runs_on_the_lease(rt: Runtime) -> None:
     for run_id in ("run-1", "run-2"):
         run = rt.store.get_run(run_id)
         assert run.status == RunStatus.ABORTED and run.error == f"its lease {lease_id} ended: x"
-    (last,) = [e for e in rt.store.events(lease_id) if e.to_state == LeaseState.ABANDONED]
-    assert "run run-1 aborted" in last.reason and "run run-2 aborted" in last.reason
     FaultPlan(rt.settings.faults_file).write({})
