@@ -6,7 +6,8 @@ the first matching rule and consumes one of its ``times``::
     {"acquire": [{"fault": "transient", "when": "after", "times": 1}],
      "destroy": [{"fault": "terminal", "times": 2}]}
 
-``fault`` is ``transient`` | ``terminal`` | ``conflict`` | ``kill_worker`` (SIGKILL the
+``fault`` is ``transient`` | ``terminal`` | ``conflict`` | ``value_error`` (not a
+ProviderError: a provider bug, or a malformed API reply) | ``kill_worker`` (SIGKILL the
 calling process, as a crash would); ``when`` is ``before`` (nothing done) or ``after``
 (the real call happened, then the fault: for acquire, "the workload exists but the next
 step failed"). The plan file is shared by every worker process, consumed under a lock.
@@ -82,6 +83,8 @@ class FaultyProvider:
             raise TerminalProviderError(message)
         if fault == "conflict":
             raise ProviderConflict(message)
+        if fault == "value_error":
+            raise ValueError(f"{message}: malformed provider reply")
         if fault == "kill_worker":
             os.kill(os.getpid(), signal.SIGKILL)
         raise ValueError(f"unknown fault {fault!r} in {self.plan.path}")
