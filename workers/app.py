@@ -3,7 +3,8 @@
 Reliability settings: tasks are acknowledged late and requeued when a worker process
 dies, so a killed worker loses nothing (every task is idempotent); time limits stay under
 Redis' visibility timeout so a running task is never delivered twice; events are on so
-Flower shows every lifecycle task.
+Flower shows every lifecycle task. Tasks are routed to lanes (workers/queues.py) so cleanup
+never waits behind queued acquires.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from celery import Celery
 from celery.signals import worker_init, worker_process_init
 
 from workers.beat import beat_schedule
+from workers.queues import LaneRouter, task_queues
 from workers.settings import Settings, get_settings
 
 TASK_MODULES = ["tasks.acquire", "tasks.resume", "tasks.destroy", "tasks.reclaim",
@@ -23,7 +25,10 @@ TASK_MODULES = ["tasks.acquire", "tasks.resume", "tasks.destroy", "tasks.reclaim
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     broker = settings.effective_broker_url
-    transport = {"visibility_timeout": int(settings.visibility_timeout_s)}
+    # "priority": a worker polls its queues in the order of task_queues (cleanup first),
+    # instead of round robin; see workers/queues.py.
+    transport = {"visibility_timeout": int(settings.visibility_timeout_s),
+                 "queue_order_strategy": "priority"}
     return {
         "broker_url": broker,
         "result_backend": settings.result_backend_url or broker,
@@ -41,6 +46,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "task_default_queue": settings.task_queue,
+        "task_queues": task_queues(settings.task_queue),
         "task_soft_time_limit": settings.task_soft_time_limit_s,
         "task_time_limit": settings.task_time_limit_s,
         "task_track_started": True,
@@ -56,6 +62,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 def create_app(settings: Settings | None = None) -> Celery:
     app = Celery("leasekeeper", include=TASK_MODULES)
     app.conf.update(celery_config(settings or get_settings()))
+    app.conf.task_routes = (LaneRouter(app.conf),)
     return app
 
 
