@@ -14,7 +14,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from kombu import Queue
+from kombu.entity import Queue
 
 
 class Lane(StrEnum):
@@ -52,7 +52,8 @@ def queue_name(base: str, lane: Lane) -> str:
 
 def task_queues(base: str) -> list[Queue]:
     """Every queue of the installation whose base queue is ``base``, in poll order."""
-    return [Queue(queue_name(base, lane)) for lane in POLL_ORDER]
+    return [Queue(queue_name(base, lane))  # type: ignore[no-untyped-call]
+            for lane in POLL_ORDER]
 
 
 class LaneRouter:
