@@ -22,7 +22,13 @@ import psutil
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from tests.services import PostgresServer, free_port, start_postgres, start_redis  # noqa: E402
+from tests.services import (  # noqa: E402
+    PostgresServer,
+    RedisServer,
+    free_port,
+    start_postgres,
+    start_redis,
+)
 
 WORK = Path(tempfile.mkdtemp(prefix="lk-bench-"))
 WORK.chmod(0o755)
@@ -36,6 +42,7 @@ NOOP_ENV = {"LEASEKEEPER_PROVIDER": "noop", "LEASEKEEPER_PROVIDERS": "noop,local
 @dataclass
 class Services:
     broker_url: str
+    redis: RedisServer
     postgres: PostgresServer | None
 
     def store_url(self, kind: str) -> str:
@@ -56,7 +63,7 @@ class Services:
 @contextlib.contextmanager
 def services() -> Iterator[Services]:
     redis = start_redis(WORK / "redis", _REDIS_PORT)
-    found = Services(os.environ["LEASEKEEPER_BROKER_URL"], None)
+    found = Services(os.environ["LEASEKEEPER_BROKER_URL"], redis, None)
     try:
         yield found
     finally:
@@ -104,14 +111,23 @@ def tree(pid: int) -> list[psutil.Process]:
     return [main, *main.children(recursive=True)]
 
 
-def cpu_s(procs: list[psutil.Process]) -> float:
-    """User+system CPU seconds of these processes so far (gone ones count 0)."""
-    total = 0.0
-    for proc in procs:
+def cpu_by_pid(pids: list[int]) -> dict[int, float]:
+    """User+system CPU seconds so far of each process in the trees of ``pids``."""
+    found: dict[int, float] = {}
+    for pid in pids:
         with contextlib.suppress(psutil.NoSuchProcess):
-            times = proc.cpu_times()
-            total += times.user + times.system
-    return total
+            for proc in tree(pid):
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    times = proc.cpu_times()
+                    found[proc.pid] = times.user + times.system
+    return found
+
+
+def cpu_since(before: dict[int, float], pids: list[int]) -> float:
+    """CPU seconds the trees of ``pids`` used since ``before`` (processes that exited in
+    between are not counted)."""
+    now = cpu_by_pid(pids)
+    return sum(used - before.get(pid, 0.0) for pid, used in now.items())
 
 
 def rss_mb(proc: psutil.Process) -> float:
