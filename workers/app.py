@@ -6,6 +6,7 @@ Redis' visibility timeout so a running task is never delivered twice; events are
 Flower shows every lifecycle task. Redaction is worker-side (tasks/redaction.py): the log
 filter goes on every handler once Celery has set logging up, in the worker and in beat.
 At start the worker logs which broker it uses (password hidden) and where that came from.
+Tasks are routed to lanes (workers/queues.py) so cleanup never waits behind queued acquires.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from celery.signals import (
 from kombu.utils.url import maybe_sanitize_url
 
 from workers.beat import beat_schedule
+from workers.queues import LaneRouter, task_queues
 from workers.settings import Settings, get_settings
 
 TASK_MODULES = ["tasks.acquire", "tasks.resume", "tasks.destroy", "tasks.reclaim",
@@ -34,7 +36,10 @@ TASK_MODULES = ["tasks.acquire", "tasks.resume", "tasks.destroy", "tasks.reclaim
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     broker = settings.effective_broker_url
-    transport = {"visibility_timeout": int(settings.visibility_timeout_s)}
+    # "priority": a worker polls its queues in the order of task_queues (cleanup first),
+    # instead of round robin; see workers/queues.py.
+    transport = {"visibility_timeout": int(settings.visibility_timeout_s),
+                 "queue_order_strategy": "priority"}
     return {
         "broker_url": broker,
         "result_backend": settings.result_backend_url or broker,
@@ -52,6 +57,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "task_default_queue": settings.task_queue,
+        "task_queues": task_queues(settings.task_queue),
         "task_soft_time_limit": settings.task_soft_time_limit_s,
         "task_time_limit": settings.task_time_limit_s,
         "task_track_started": True,
@@ -71,6 +77,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 def create_app(settings: Settings | None = None) -> Celery:
     app = Celery("leasekeeper", include=TASK_MODULES)
     app.conf.update(celery_config(settings or get_settings()))
+    app.conf.task_routes = (LaneRouter(app.conf),)
     return app
 
 
