@@ -35,7 +35,12 @@ test: $(STAMP) system-deps kube-binaries lint
 # Benchmarks print JSON. kube_ops needs the Kubernetes binaries (built once, cached).
 bench: $(STAMP) system-deps kube-binaries
 	$(PY) bench/throughput.py
+	$(PY) bench/priority.py --cleanup-worker
+	$(PY) bench/sweeps.py
+	$(PY) bench/memory.py
+	$(PY) bench/scaleout.py
 	$(PY) bench/kube_ops.py
+	$(PY) bench/redelivery.py
 	$(PY) bench/observe_queries.py
 
 clean:

@@ -12,7 +12,17 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, ForeignKey, Index, Integer, MetaData, String, Text
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING = {
@@ -60,6 +70,18 @@ class ReclaimOutcome(StrEnum):
     PROVIDER_MISMATCH = "provider-mismatch"
 
 
+UNRECLAIMED = "reclaim_due IS TRUE AND reclaim_outcome IS NULL"
+
+
+def where(predicate: str) -> dict[str, Any]:
+    """A partial index's predicate, on PostgreSQL and SQLite alike."""
+    return {"postgresql_where": text(predicate), "sqlite_where": text(predicate)}
+
+
+def in_state(state: str) -> dict[str, Any]:
+    return where(f"state = '{LeaseState(state)}'")
+
+
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
     type_annotation_map = {dict[str, Any]: JSON, datetime: DateTime()}  # noqa: RUF012
@@ -75,7 +97,7 @@ class Lease(Base):
     provider_lease_id: Mapped[str] = mapped_column(String(253), index=True)
     backend: Mapped[str | None] = mapped_column(String(64))
     provider_meta: Mapped[dict[str, Any]] = mapped_column(default=dict)
-    state: Mapped[str] = mapped_column(String(32), index=True)
+    state: Mapped[str] = mapped_column(String(32))
     reuse: Mapped[bool] = mapped_column(default=False)
     tenant: Mapped[str] = mapped_column(String(64))
     thread_id: Mapped[str | None] = mapped_column(String(128))
@@ -94,10 +116,21 @@ class Lease(Base):
     last_error: Mapped[str | None] = mapped_column(Text)
     version: Mapped[int] = mapped_column(Integer, default=1)
 
+    # Listings (newest first, optionally by state) and each sweep's read are index range
+    # scans in the order they read, whatever the history's size (bench/sweeps.py). The
+    # partial indexes hold only the few rows in their state, so they cost writes only there.
     __table_args__ = (
-        Index("ix_leases_state_next_cleanup", "state", "next_cleanup_at"),
-        # Covers the metrics' counts by state x provider x tenant and the console's
-        # filtered, keyset-paginated lists (workers/metrics, workers/console).
+        Index("ix_leases_created", "created_at", "lease_id"),
+        Index("ix_leases_state_created", "state", "created_at", "lease_id"),
+        Index("ix_leases_active_deadline", "deadline_at", **in_state("active")),
+        Index("ix_leases_active_idle_deadline", "idle_deadline_at", **in_state("active")),
+        Index("ix_leases_provisioning_deadline", "acquire_deadline_at", "lease_id",
+              **in_state("provisioning")),
+        Index("ix_leases_destroying_updated", "updated_at", **in_state("destroying")),
+        Index("ix_leases_pending_cleanup_created", "created_at", "lease_id",
+              **in_state("pending_cleanup")),
+        # The metrics' counts by state x provider x tenant and the console's filtered,
+        # keyset-paginated lists (workers/metrics, workers/console).
         Index("ix_leases_state_provider_tenant", "state", "provider", "tenant"),
         Index("ix_leases_state_lease_id", "state", "lease_id"),
         Index("ix_leases_tenant_lease_id", "tenant", "lease_id"),
@@ -109,7 +142,7 @@ class Run(Base):
 
     run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
     thread_id: Mapped[str | None] = mapped_column(String(128), index=True)
-    status: Mapped[str] = mapped_column(String(32), index=True)
+    status: Mapped[str] = mapped_column(String(32))
     exit_code: Mapped[int | None]
     provider: Mapped[str] = mapped_column(String(64))
     sandbox_key: Mapped[str | None] = mapped_column(String(128))
@@ -126,6 +159,8 @@ class Run(Base):
 
     __table_args__ = (
         Index("ix_runs_status_detached", "status", "detached_since"),
+        # sweep.reap_runs' lost reclaims: only the runs whose reclaim has no outcome yet.
+        Index("ix_runs_reclaim_pending", "finished_at", **where(UNRECLAIMED)),
         Index("ix_runs_reclaimed_at", "reclaimed_at"),
     )
 

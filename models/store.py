@@ -37,6 +37,7 @@ from models.schema import (
     Lease,
     LeaseEvent,
     LeaseState,
+    ReclaimOutcome,
     Run,
     RunStatus,
     utcnow,
@@ -50,6 +51,44 @@ _RUNS = cast(Table, Run.__table__)
 
 def _rowcount(result: Any) -> int:
     return int(cast(CursorResult[Any], result).rowcount)
+
+
+UNFINISHED_RUN_STATUSES = (RunStatus.RUNNING, RunStatus.INTERRUPTED)
+
+
+def settle_runs_on_lease_end(s: Session, lease_id: str, frm: str | None, to: str,
+                             end_reason: str | None) -> str:
+    """Inside a lease transition's transaction, keep its runs truthful; returns a note for
+    the transition's event when a reclaim outcome changed (empty otherwise).
+
+    - the lease ended (destroyed or abandoned): every run still running or interrupted on
+      it is aborted with the lease's end reason (its sandbox is gone, or given up on);
+    - destroyed: a reclaim that reported ``destroy-failed`` now has its final outcome,
+      ``destroyed`` (the failure stays in the lease's history);
+    - a destroyed lease going back to cleanup (its resource was still there): a reclaim
+      that reported ``destroyed`` is ``destroy-failed`` until a destroy really takes.
+    """
+    runs, now = _RUNS, utcnow()
+    notes: list[str] = []
+    if to in FINAL_STATES:
+        # The run row itself says why (its error names the lease and its end reason).
+        s.execute(update(runs).where(
+            runs.c.lease_id == lease_id, runs.c.status.in_(UNFINISHED_RUN_STATUSES))
+            .values(status=RunStatus.ABORTED, finished_at=now, reclaim_due=False,
+                    reclaim_claimed_until=None,
+                    error=f"its lease {lease_id} ended: {end_reason or to}"))
+    flip: tuple[ReclaimOutcome, ReclaimOutcome] | None = None
+    if to == LeaseState.DESTROYED:
+        flip = (ReclaimOutcome.DESTROY_FAILED, ReclaimOutcome.DESTROYED)
+    elif frm == LeaseState.DESTROYED:
+        flip = (ReclaimOutcome.DESTROYED, ReclaimOutcome.DESTROY_FAILED)
+    if flip is not None:
+        was, becomes = flip
+        flipped = s.scalars(update(runs).where(
+            runs.c.lease_id == lease_id, runs.c.reclaim_outcome == was)
+            .values(reclaim_outcome=becomes, reclaimed_at=now).returning(runs.c.run_id)).all()
+        notes += [f"reclaim of run {run_id}: {was} → {becomes}" for run_id in flipped]
+    return "; ".join(notes)
 
 
 class LiveLeaseExists(StoreError):
@@ -202,6 +241,15 @@ class Store:
                 ))
         return found
 
+    def other_unfinished_runs(self, lease_id: str, run_id: str) -> list[str]:
+        """Runs other than ``run_id`` bound to the lease and not terminal (running or
+        interrupted: a paused run still needs its sandbox), oldest first."""
+        with self.tx() as s:
+            return list(s.scalars(
+                select(Run.run_id).where(Run.lease_id == lease_id, Run.run_id != run_id,
+                                         Run.status.in_(UNFINISHED_RUN_STATUSES))
+                .order_by(Run.started_at)))
+
     # -- runs --------------------------------------------------------------------------
     def start_run(
         self, run_id: str, thread_id: str | None, provider: str, sandbox_key: str
@@ -253,8 +301,11 @@ class Store:
         with self.tx() as s:
             if s.get(Run, run_id) is None:
                 raise NotFound(f"no run {run_id!r}")
+            # Only a real change writes: a repeated detach keeps the first detached_since
+            # (a redelivery never postpones the reap), an attach of an attached run is a no-op.
+            state = Run.detached_since.is_(None) if detached else Run.detached_since.isnot(None)
             result = s.execute(
-                update(Run).where(Run.run_id == run_id, Run.status == RunStatus.RUNNING)
+                update(Run).where(Run.run_id == run_id, Run.status == RunStatus.RUNNING, state)
                 .values(detached_since=utcnow() if detached else None)
             )
             return RunChange.CHANGED if _rowcount(result) == 1 else RunChange.UNCHANGED
@@ -337,9 +388,10 @@ class Store:
                              .where(leases.c.lease_id == lease_id)).first() is None:
                     raise NotFound(f"no lease {lease_id!r} in the store")
                 return None
+            note = settle_runs_on_lease_end(s, lease_id, from_state, to, row.end_reason)
             s.execute(insert(_EVENTS).values(
                 lease_id=lease_id, at=utcnow(), from_state=from_state, to_state=to,
-                reason=reason[:2000], task_id=task_id))
+                reason=(f"{reason} ({note})" if note else reason)[:2000], task_id=task_id))
         return Lease(**row._mapping)
 
     def extend_acquire_deadline(self, run_id: str, until: datetime) -> int:

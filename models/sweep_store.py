@@ -33,7 +33,7 @@ from models.schema import (
     RunStatus,
     utcnow,
 )
-from models.store import Store
+from models.store import UNFINISHED_RUN_STATUSES, Store, settle_runs_on_lease_end
 
 L = cast(Table, Lease.__table__)
 E = cast(Table, LeaseEvent.__table__)
@@ -91,12 +91,14 @@ def move(s: Session, lease_id: str, frm: str, to: LeaseState, reason: str,
         update(L).where(L.c.lease_id == lease_id, L.c.state == frm, *guards)
         .values(state=to, updated_at=utcnow(), version=L.c.version + 1,
                 live_key=L.c.sandbox_key if to in LIVE_STATES else None, **values)
-        .returning(L.c.lease_id)
+        .returning(L.c.lease_id, L.c.end_reason)
     ).one_or_none()
     if row is None:
         return False
+    note = settle_runs_on_lease_end(s, lease_id, frm, to, row.end_reason)
     s.execute(insert(E).values(lease_id=lease_id, at=utcnow(), from_state=frm, to_state=to,
-                               reason=reason[:2000], task_id=task_id))
+                               reason=(f"{reason} ({note})" if note else reason)[:2000],
+                               task_id=task_id))
     return True
 
 
@@ -167,6 +169,42 @@ class SweepStore:
                 update(R).where(R.c.run_id == run_id, *self._unreclaimed(now))
                 .values(reclaim_claimed_until=now + timedelta(seconds=claim_s))
                 .returning(R.c.run_id)).one_or_none() is not None]
+
+    @staticmethod
+    def _on_ended_lease() -> list[ColumnElement[bool]]:
+        return [R.c.status.in_(list(UNFINISHED_RUN_STATUSES)),
+                L.c.state.in_(list(FINAL_STATES))]
+
+    def due_runs_on_ended_leases(self, limit: int) -> list[str]:
+        """Runs still running or interrupted whose own lease has ended (destroyed or
+        abandoned) without settling them (a lost write, or rows from before that rule)."""
+        with self.store.tx() as s:
+            return list(s.scalars(
+                select(R.c.run_id).select_from(R.join(L, L.c.lease_id == R.c.lease_id))
+                .where(*self._on_ended_lease()).order_by(R.c.started_at).limit(limit)))
+
+    def settle_runs_on_ended_leases(self, run_ids: Sequence[str]) -> list[str]:
+        """Abort each of these runs still unfinished on an ended lease, with the lease's end
+        reason, as the lease's end would have; returns the ids this call settled."""
+        settled: list[str] = []
+        joined = R.join(L, L.c.lease_id == R.c.lease_id)
+        with self.store.tx() as s:
+            query = (select(R.c.run_id, L.c.lease_id, L.c.state, L.c.end_reason)
+                     .select_from(joined)
+                     .where(R.c.run_id.in_(list(run_ids)), *self._on_ended_lease()))
+            if self._skip_locked:
+                query = query.with_for_update(of=R, skip_locked=True)
+            for run_id, lease_id, state, end_reason in s.execute(query).all():
+                row = s.execute(
+                    update(R).where(R.c.run_id == run_id, R.c.lease_id == lease_id,
+                                    R.c.status.in_(list(UNFINISHED_RUN_STATUSES)))
+                    .values(status=RunStatus.ABORTED, finished_at=utcnow(), reclaim_due=False,
+                            reclaim_claimed_until=None,
+                            error=f"its lease {lease_id} ended: {end_reason or state}")
+                    .returning(R.c.run_id)).one_or_none()
+                if row is not None:
+                    settled.append(run_id)
+        return settled
 
     # -- sweep.expire_leases -----------------------------------------------------------
     @staticmethod
@@ -328,10 +366,13 @@ class SweepStore:
         return lease_id
 
     def revive(self, lease_id: str, listed_at: datetime, reason: str, now: datetime,
-               claim_s: float, max_attempts: int, task_id: str | None) -> LeaseState | None:
+               claim_s: float, max_attempts: int, task_id: str | None,
+               found: dict[str, Any] | None = None) -> LeaseState | None:
         """A destroyed lease whose resource is still listed after the destroy was recorded
         goes back to pending_cleanup; the destroy that did not take counts as a failed
-        attempt, so a resource that keeps coming back ends abandoned, not in a loop."""
+        attempt, so a resource that keeps coming back ends abandoned, not in a loop.
+        ``found`` (``backend``, ``provider_meta``) is what the listing says the resource is
+        now, so the next destroy aims at what is really there."""
         destroyed_before = L.c.updated_at < listed_at
         with self.store.tx() as s:
             attempts = s.scalar(select(L.c.cleanup_attempts).where(
@@ -348,5 +389,5 @@ class SweepStore:
                 extra = {"next_cleanup_at": now + timedelta(seconds=claim_s)}
             won = move(s, lease_id, LeaseState.DESTROYED, to, reason, task_id, destroyed_before,
                        cleanup_attempts=attempts, last_error="resource still present after "
-                       "its destroy", **extra)
+                       "its destroy", **(found or {}), **extra)
         return to if won else None

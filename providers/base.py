@@ -95,6 +95,10 @@ class Provider(Protocol):
     def lease_name(self, lease_id: str) -> str:
         """The deterministic, DNS-1123 safe name of the lease's main resource."""
 
+    def check_spec(self, spec: SandboxSpec) -> None:
+        """Raise TerminalProviderError if this provider can never run ``spec`` (checked
+        before anything is recorded or created); cheap, no I/O beyond the local host."""
+
     def acquire(self, request: AcquireRequest) -> Acquired:
         """Create (or adopt, if ours) the lease's resources and wait until ready."""
 

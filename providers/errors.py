@@ -3,6 +3,7 @@
     LeasekeeperError
      ├── ConfigError                settings or provider registry are wrong; fix and restart
      ├── InvalidRequest             a payload or name is malformed; the caller must fix it
+ │    └── ProviderMismatch      the sandbox key's live lease belongs to another provider
      ├── NotFound                   a lease or run id the store does not know
      ├── StoreError
      │    └── StoreUnavailable      the database went away or is locked (transient)
@@ -12,7 +13,8 @@
           │    └── ProviderConflict    a resource with our name exists and is not ours
           ├── DestroyIncomplete        some parts of a destroy failed; carries each failure
           ├── AcquireCleanupIncomplete acquire failed and so did the cleanup after it
-          └── SandboxReclaimFailedError reclaim's destroy failed; the lease waits for a retry
+          ├── CleanupAbandoned         the last allowed destroy failed; an operator decides
+          └── SandboxReclaimFailedError reclaim's destroy failed (or the lease is abandoned)
 
 Every message says what was wrong and what to do; none carries a secret value. Each class
 is constructible from its message alone, so Celery's result backend can rebuild it.
@@ -35,6 +37,18 @@ class ConfigError(LeasekeeperError):
 
 class InvalidRequest(LeasekeeperError):
     """A payload, id or name is malformed. Never retried."""
+
+
+class ProviderMismatch(InvalidRequest):
+    """The sandbox key's live lease belongs to another provider: refused, nothing touched."""
+
+    @classmethod
+    def of(cls, key: str, lease_id: str, lease_provider: str, asked: str) -> Self:
+        return cls(
+            f"provider-mismatch: sandbox key {key} is held by live lease {lease_id} of "
+            f"provider {lease_provider}, not {asked}; nothing was touched. Ask for provider "
+            f"{lease_provider} to reuse it, or use another sandbox_key"
+        )
 
 
 class NotFound(LeasekeeperError):
@@ -93,6 +107,11 @@ class DestroyIncomplete(ProviderError):
         )
 
     @property
+    def what_failed(self) -> str:
+        """The failures alone, without the promise of a retry (none comes after the cap)."""
+        return "; ".join(f.describe() for f in self.failures) or str(self)
+
+    @property
     def transient(self) -> bool:
         return bool(self.failures) and all(is_transient(f.error) for f in self.failures)
 
@@ -109,15 +128,52 @@ class AcquireCleanupIncomplete(ProviderError):
         )
 
 
-class SandboxReclaimFailedError(ProviderError):
-    """reclaim's destroy failed. The lease is no longer resumable but stays reachable."""
+def cause_of(exc: BaseException) -> str:
+    """What went wrong, without what a retry would do about it (the caller says that)."""
+    return exc.what_failed if isinstance(exc, DestroyIncomplete) else str(exc)
+
+
+def abandoned_advice(lease_id: str) -> str:
+    """What an operator does about an abandoned lease (README: Abandoned leases)."""
+    return (f"The lease is abandoned: no sweep retries it and an operator must act. Fix the "
+            f"cause, then run `leasekeeper leases retry {lease_id}`; if the sandbox was "
+            f"removed by hand, `leasekeeper leases forget {lease_id}`")
+
+
+class CleanupAbandoned(ProviderError):
+    """The last allowed destroy of a lease failed: it is abandoned for an operator."""
 
     @classmethod
-    def of(cls, run_id: str, sandbox_key: str, lease_id: str, cause: str) -> Self:
+    def of(cls, lease_id: str, attempts: int, cause: str) -> Self:
+        return cls(f"destroy of lease {lease_id} failed for the last allowed time (attempt "
+                   f"{attempts}): {cause}. {abandoned_advice(lease_id)}")
+
+
+class SandboxReclaimFailedError(ProviderError):
+    """reclaim's destroy failed, or the run's lease is abandoned: the sandbox may still be
+    running. Carries ``run_id``, ``sandbox_key`` and ``lease_id``; they travel in ``args``
+    so the error Celery rebuilds from the result backend has them too."""
+
+    def __init__(self, message: str, run_id: str | None = None,
+                 sandbox_key: str | None = None, lease_id: str | None = None) -> None:
+        super().__init__(message, run_id, sandbox_key, lease_id)
+        self.run_id = run_id
+        self.sandbox_key = sandbox_key
+        self.lease_id = lease_id
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+    @classmethod
+    def of(cls, run_id: str, sandbox_key: str, lease_id: str, cause: str,
+           abandoned: bool = False) -> Self:
+        then = (abandoned_advice(lease_id) if abandoned else
+                "The lease is pending_cleanup, no longer resumable, and sweep.retry_cleanup "
+                "will retry it")
         return cls(
             f'reclaiming the sandbox for run "{run_id}" failed: the provider destroy of lease '
-            f"{lease_id} (sandbox key {sandbox_key}) failed ({cause}). The lease is "
-            "pending_cleanup, no longer resumable, and sweep.retry_cleanup will retry it"
+            f"{lease_id} (sandbox key {sandbox_key}) failed ({cause}); the sandbox may still "
+            f"be running. {then}", run_id, sandbox_key, lease_id,
         )
 
 

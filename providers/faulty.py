@@ -6,7 +6,8 @@ the first matching rule and consumes one of its ``times``::
     {"acquire": [{"fault": "transient", "when": "after", "times": 1}],
      "destroy": [{"fault": "terminal", "times": 2}]}
 
-``fault`` is ``transient`` | ``terminal`` | ``conflict`` | ``kill_worker`` (SIGKILL the
+``fault`` is ``transient`` | ``terminal`` | ``conflict`` | ``value_error`` (not a
+ProviderError: a provider bug, or a malformed API reply) | ``kill_worker`` (SIGKILL the
 calling process, as a crash would); ``when`` is ``before`` (nothing done) or ``after``
 (the real call happened, then the fault: for acquire, "the workload exists but the next
 step failed"). The plan file is shared by every worker process, consumed under a lock.
@@ -32,6 +33,7 @@ from providers.base import (
 )
 from providers.errors import ProviderConflict, TerminalProviderError, TransientProviderError
 from providers.local import LocalProvider
+from providers.spec import SandboxSpec
 
 T = TypeVar("T")
 
@@ -81,6 +83,8 @@ class FaultyProvider:
             raise TerminalProviderError(message)
         if fault == "conflict":
             raise ProviderConflict(message)
+        if fault == "value_error":
+            raise ValueError(f"{message}: malformed provider reply")
         if fault == "kill_worker":
             os.kill(os.getpid(), signal.SIGKILL)
         raise ValueError(f"unknown fault {fault!r} in {self.plan.path}")
@@ -93,6 +97,9 @@ class FaultyProvider:
 
     def lease_name(self, lease_id: str) -> str:
         return self.inner.lease_name(lease_id)
+
+    def check_spec(self, spec: SandboxSpec) -> None:
+        self.inner.check_spec(spec)
 
     def acquire(self, request: AcquireRequest) -> Acquired:
         return self._around("acquire", lambda: self.inner.acquire(request))

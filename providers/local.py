@@ -49,6 +49,7 @@ from providers.errors import (
     TerminalProviderError,
     TransientProviderError,
 )
+from providers.spec import SandboxSpec, echo
 
 IDLE_COMMAND = ["sh", "-c", "while :; do sleep 3600; done"]
 MARKER = "LEASEKEEPER_WORKSPACE"
@@ -206,6 +207,21 @@ class LocalProvider:
         return None
 
     # -- contract -----------------------------------------------------------------------
+    def check_spec(self, spec: SandboxSpec) -> None:
+        """The command must exist: on the sandbox's PATH, or as a path to an executable."""
+        if not spec.command:
+            return
+        program = spec.command[0]
+        path = spec.env.get("PATH", os.environ.get("PATH", "/usr/bin:/bin"))
+        found = (os.path.isfile(program) and os.access(program, os.X_OK) if "/" in program
+                 else shutil.which(program, path=path) is not None)
+        if not found:
+            raise TerminalProviderError(
+                f"local: command {echo(program)} not found "
+                + ("(not an executable file)" if "/" in program else f"on PATH {echo(path)}")
+                + "; install it, give its absolute path, or set env.PATH"
+            )
+
     def acquire(self, request: AcquireRequest) -> Acquired:
         with _translate("acquire"), self._locked(request.name):
             path = self._dir(request.name)

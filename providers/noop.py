@@ -11,6 +11,7 @@ from providers.base import (
     ManagedResource,
     ResumeResult,
 )
+from providers.spec import SandboxSpec
 
 
 class NoopProvider:
@@ -18,6 +19,9 @@ class NoopProvider:
 
     def lease_name(self, lease_id: str) -> str:
         return f"lk-{lease_id}"
+
+    def check_spec(self, spec: SandboxSpec) -> None:
+        return None
 
     def acquire(self, request: AcquireRequest) -> Acquired:
         return Acquired(AcquireOutcome.CREATED, "none", {})

@@ -2,14 +2,17 @@
 
 Secret values live only in ``secret_env`` (``SecretStr``): they reach the provider and
 nothing else. ``redacted()`` is what logs, Flower and task results may show.
+Types are strict (the JSON contract: ``"yes"`` is not a boolean, ``"60"`` not an integer)
+and every size is bounded (below), so nothing too big for a process's argv and environment
+(or a Kubernetes object) is ever stored or sent to a provider.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -17,41 +20,68 @@ LABEL_KEY = re.compile(r"^[a-z0-9]([-a-z0-9_.]{0,61}[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 TENANT = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 REDACTED = "***"
+ECHO_MAX_CHARS = 40  # how much of a refused value an error message may quote
+
+# Bounds of a spec (Linux caps one argv/env string at 128 KiB and all of them at ~2 MiB;
+# a Kubernetes object at 1 MiB).
+MAX_COMMAND_ARGS = 256
+MAX_COMMAND_ARG_CHARS = 8192
+MAX_ENV_VARS = 256
+MAX_ENV_NAME_CHARS = 256
+MAX_ENV_VALUE_CHARS = 32768
+MAX_LABELS = 64
+MAX_NAME_CHARS = 253  # image, provider, backend, resource quantities
+MAX_SPEC_CHARS = 128 * 1024  # command, env and secret_env together
+
+
+def echo(value: object) -> str:
+    """A short, safe quote of a refused value for an error message."""
+    text = repr(value) if isinstance(value, str) else type(value).__name__
+    if len(text) <= ECHO_MAX_CHARS:
+        return text
+    return f"{text[:ECHO_MAX_CHARS]}... ({len(text)} chars)"
 
 
 def check_id(kind: str, value: object) -> str:
     if not isinstance(value, str) or not ID_PATTERN.match(value):
         raise ValueError(
             f"{kind} must be 1-128 characters of letters, digits, '.', '_', ':' or '-', "
-            f"starting with a letter or digit; got {value!r:.80}"
+            f"starting with a letter or digit; got {echo(value)}"
         )
     return value
 
 
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+Quantity = Annotated[str, Field(min_length=1, max_length=32)]
+EnvValue = Annotated[str, Field(max_length=MAX_ENV_VALUE_CHARS)]
+SecretValue = Annotated[SecretStr, Field(max_length=MAX_ENV_VALUE_CHARS)]
+Arg = Annotated[str, Field(max_length=MAX_COMMAND_ARG_CHARS)]
+
+
 class Resources(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    cpu_request: str | None = None
-    memory_request: str | None = None
-    cpu_limit: str | None = None
-    memory_limit: str | None = None
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
+    cpu_request: Quantity | None = None
+    memory_request: Quantity | None = None
+    cpu_limit: Quantity | None = None
+    memory_limit: Quantity | None = None
 
 
 class SandboxSpec(BaseModel):
     """What a run needs. Every field is optional; defaults come from settings."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
-    provider: str | None = None
-    backend: str | None = None
+    provider: Name | None = None
+    backend: Name | None = None
     tenant: str = "default"
     thread_id: str | None = None
     sandbox_key: str | None = None
     reuse: bool = False
-    image: str | None = None
-    command: list[str] | None = Field(default=None, min_length=1)
-    env: dict[str, str] = Field(default_factory=dict)
-    secret_env: dict[str, SecretStr] = Field(default_factory=dict)
-    labels: dict[str, str] = Field(default_factory=dict)
+    image: Name | None = None
+    command: list[Arg] | None = Field(default=None, min_length=1, max_length=MAX_COMMAND_ARGS)
+    env: dict[str, EnvValue] = Field(default_factory=dict, max_length=MAX_ENV_VARS)
+    secret_env: dict[str, SecretValue] = Field(default_factory=dict, max_length=MAX_ENV_VARS)
+    labels: dict[str, str] = Field(default_factory=dict, max_length=MAX_LABELS)
     ttl_s: int | None = Field(default=None, gt=0)
     idle_timeout_s: int | None = Field(default=None, gt=0)
     resources: Resources | None = None
@@ -71,9 +101,11 @@ class SandboxSpec(BaseModel):
     @field_validator("env", "secret_env")
     @classmethod
     def _env_names(cls, value: dict[str, Any]) -> dict[str, Any]:
-        bad = [k for k in value if not ENV_NAME.match(k)]
+        bad = [k for k in value if len(k) > MAX_ENV_NAME_CHARS or not ENV_NAME.match(k)]
         if bad:
-            raise ValueError(f"invalid environment variable names: {', '.join(map(repr, bad))}")
+            raise ValueError(f"invalid environment variable names: "
+                             f"{', '.join(map(echo, bad[:5]))} (letters, digits and '_', "
+                             f"not starting with a digit, at most {MAX_ENV_NAME_CHARS})")
         return value
 
     @field_validator("labels")
@@ -82,10 +114,22 @@ class SandboxSpec(BaseModel):
         for key, val in value.items():
             if not LABEL_KEY.match(key) or not LABEL_VALUE.match(val):
                 raise ValueError(
-                    f"label {key!r} is not a valid Kubernetes label key/value "
+                    f"label {echo(key)} is not a valid Kubernetes label key/value "
                     "(keys: lowercase alphanumerics, '-', '_', '.'; values up to 63 characters)"
                 )
         return value
+
+    @model_validator(mode="after")
+    def _total_size(self) -> SandboxSpec:
+        total = sum(len(a) for a in self.command or [])
+        total += sum(len(k) + len(v) for k, v in self.env.items())
+        total += sum(len(k) + len(v.get_secret_value()) for k, v in self.secret_env.items())
+        if total > MAX_SPEC_CHARS:
+            raise ValueError(
+                f"command, env and secret_env add up to {total} characters, over the "
+                f"{MAX_SPEC_CHARS} allowed; pass large inputs as files or through the image"
+            )
+        return self
 
     def secret_values(self) -> dict[str, str]:
         return {k: v.get_secret_value() for k, v in self.secret_env.items()}

@@ -2,7 +2,8 @@
 
 Order, each step one guarded transaction:
 1. the run row (idempotent); a redelivered task continues with the lease the run has;
-2. with ``reuse``, the thread's live lease is resume-checked and bound, or destroyed;
+2. with ``reuse``, the thread's live lease is resume-checked and bound, or destroyed; one of
+   another provider is refused (``provider-mismatch``) and left untouched;
 3. the lease *intent* (state provisioning, with the provider name it will use) is written
    before the provider creates anything, so a crash at any later point leaves a row;
 4. the provider creates or adopts the resources and waits until ready;
@@ -24,6 +25,7 @@ from providers.errors import (
     AcquireCleanupIncomplete,
     InvalidRequest,
     ProviderError,
+    ProviderMismatch,
     TransientProviderError,
     is_transient,
 )
@@ -125,6 +127,14 @@ def _try_reuse(
     live = rt.store.live_lease_for_key(key)
     if live is None:
         return None
+    if live.provider != provider.name:
+        # The seed's provider gate, first: another provider's resume check or destroy of
+        # this lease could only fail, or hit a stranger. Refuse; touch nothing of it.
+        refused = ProviderMismatch.of(key, live.lease_id, live.provider, provider.name)
+        rt.store.finish_run(run_id, RunStatus.FAILED, None, str(refused), reclaim_due=False,
+                            claim_until=None)
+        log.warning("acquire: run %s refused: %s", run_id, refused)
+        raise refused
     if live.state == LeaseState.PROVISIONING:
         raise TransientProviderError(f"sandbox key {key} is still provisioning; retrying")
     check = provider.resume_check(handle(live), rt.settings.resume_timeout_s)
@@ -209,7 +219,8 @@ def parse_acquire(run_id: object, spec: object) -> tuple[str, SandboxSpec]:
     """Validate an acquire payload; InvalidRequest names every problem."""
     try:
         check_id("run_id", run_id)
-        parsed = spec if isinstance(spec, SandboxSpec) else SandboxSpec.model_validate(spec or {})
+        parsed = spec if isinstance(spec, SandboxSpec) else SandboxSpec.model_validate(
+            {} if spec is None else spec)
     except ValueError as exc:
         raise InvalidRequest(f"invalid lease.acquire payload: {_safe(exc)}") from None
     assert isinstance(run_id, str)
@@ -229,6 +240,9 @@ def _safe(exc: ValueError) -> str:
 def acquire(self: LeaseTask, run_id: str, spec: dict[str, Any] | None = None) -> dict[str, Any]:
     run_id, parsed = parse_acquire(run_id, spec)
     rt = self.runtime
+    # A spec the provider can never run (a local command that does not exist) is refused
+    # here, before a run or lease row exists or anything is created.
+    rt.provider(parsed.provider or rt.settings.provider).check_spec(parsed)
 
     def keep_provisioning(countdown_s: float) -> None:
         # The retry will pick the lease up again: its deadline covers the wait and the try.

@@ -1,15 +1,23 @@
-"""What every lifecycle task shares: secret redaction and the retry policy.
+"""What every lifecycle task shares: the payload contract, secret redaction, the retry policy.
+
+Payload contract, checked before a task's body runs (so before any lookup): keyword
+arguments only, no missing or unknown ones, every ``lease_id``/``run_id`` in the id format,
+the whole payload at most ``max_payload_bytes``. A refusal is ``InvalidRequest`` naming the
+field, quoting at most a short prefix of what was sent.
 
 Retry policy (the README has it as a table): errors in ``providers.errors.TRANSIENT_ERRORS``
 are retried with exponential backoff and full jitter (Celery's own backoff function),
 capped at ``retry_backoff_max_s``, at most ``task_max_retries`` times; anything else fails
 at once with its reason. Secrets in task arguments never reach Flower, events or logs:
-``apply_async`` (also used by ``retry``) always sends redacted ``argsrepr``/``kwargsrepr``.
+``apply_async`` (also used by ``retry``) always sends redacted ``argsrepr``/``kwargsrepr``,
+and the worker redacts whatever a client sent (tasks/redaction.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import json
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -18,25 +26,51 @@ from celery import Task
 from celery.exceptions import Retry
 from celery.utils.time import get_exponential_backoff_interval
 
-from providers.errors import LeasekeeperError, is_transient
-from providers.spec import REDACTED
+from providers.errors import InvalidRequest, LeasekeeperError, is_transient
+from providers.spec import check_id, echo
+from tasks.redaction import (
+    RedactingRequest,
+    bounded_repr,
+    redact,
+    remember,
+    scrub_exception,
+    secret_values,
+)
 from workers.runtime import Runtime, get_runtime
 
 log = logging.getLogger("leasekeeper.tasks")
-SECRET_FIELDS = frozenset({"secret_env"})
+ID_FIELDS = frozenset({"lease_id", "run_id"})
+__all__ = ["LeaseTask", "check_payload", "redact"]
 
 
-def redact(value: Any) -> Any:
-    """A copy of task arguments with every secret value replaced by ``***``."""
-    if isinstance(value, dict):
-        return {
-            k: (dict.fromkeys(v, REDACTED) if k in SECRET_FIELDS and isinstance(v, dict)
-                else REDACTED if k in SECRET_FIELDS else redact(v))
-            for k, v in value.items()
-        }
-    if isinstance(value, list | tuple):
-        return [redact(v) for v in value]
-    return value
+def check_payload(name: str, run: Callable[..., Any], args: tuple[Any, ...],
+                  kwargs: dict[str, Any], max_bytes: int) -> None:
+    """Refuse a payload the task cannot take, before anything is looked up."""
+    if args:
+        raise InvalidRequest(
+            f"invalid {name} payload: {len(args)} positional argument(s); send keyword "
+            f"arguments only, e.g. send_task({name!r}, kwargs={{...}}) (see the README)"
+        )
+    size = len(json.dumps(kwargs, default=str).encode())
+    if size > max_bytes:
+        raise InvalidRequest(
+            f"invalid {name} payload: {size} bytes, over the {max_bytes}-byte limit "
+            "(LEASEKEEPER_MAX_PAYLOAD_BYTES); send ids and small specs"
+        )
+    params = inspect.signature(run).parameters
+    unknown = [k for k in kwargs if k not in params]
+    missing = [p.name for p in params.values()
+               if p.default is inspect.Parameter.empty and p.name not in kwargs]
+    if unknown or missing:
+        problems = ([f"missing field(s) {', '.join(missing)}"] if missing else []) + (
+            [f"unknown field(s) {', '.join(echo(k) for k in unknown[:5])}"] if unknown else [])
+        raise InvalidRequest(f"invalid {name} payload: {'; '.join(problems)} (it takes "
+                             f"{', '.join(params) or 'no arguments'})")
+    for field in ID_FIELDS & kwargs.keys():
+        try:
+            check_id(field, kwargs[field])
+        except ValueError as exc:
+            raise InvalidRequest(f"invalid {name} payload: {exc}") from None
 
 
 class LeaseTask(Task):  # type: ignore[misc]
@@ -44,10 +78,23 @@ class LeaseTask(Task):  # type: ignore[misc]
 
     abstract = True
     typing = True
+    Request = RedactingRequest  # the worker's reprs of every message: secrets redacted
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        remember(secret_values(kwargs))
+        try:
+            check_payload(self.name, self.run, args, kwargs,
+                          self.runtime.settings.max_payload_bytes)
+            return super().__call__(*args, **kwargs)
+        except Retry:
+            raise
+        except Exception as exc:
+            scrub_exception(exc)  # value-scan: a secret echoed by anything below
+            raise
 
     def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        options.setdefault("argsrepr", repr(redact(list(args or ()))))
-        options.setdefault("kwargsrepr", repr(redact(dict(kwargs or {}))))
+        options.setdefault("argsrepr", bounded_repr(list(args or ())))
+        options.setdefault("kwargsrepr", bounded_repr(dict(kwargs or {})))
         return super().apply_async(args, kwargs, **options)
 
     @property

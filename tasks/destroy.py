@@ -4,7 +4,10 @@ The lease is claimed (live or pending_cleanup → destroying) in one guarded tra
 then the provider destroys every part. Success → destroyed. Failure → pending_cleanup with
 the attempt counted and the next attempt scheduled (backoff), or abandoned once the
 attempt cap is reached; either way the lease stays in the store, reachable, and the task
-fails loudly so Flower shows it.
+fails loudly so Flower shows it. Any exception the provider raises ends that way, not only
+a ProviderError: a ValueError from a malformed reply is recorded as a failed attempt too,
+never left ``destroying``. The first claim records the reason as the lease's
+``end_reason`` (unless it has one), so a later retry keeps the original reason.
 """
 
 from __future__ import annotations
@@ -14,8 +17,18 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from models.schema import FINAL_STATES, LIVE_STATES, LeaseState
-from providers.errors import ProviderError, is_transient
+from sqlalchemy import func
+
+from models.schema import FINAL_STATES, LIVE_STATES, Lease, LeaseState
+from providers.errors import (
+    CleanupAbandoned,
+    InvalidRequest,
+    ProviderError,
+    TerminalProviderError,
+    abandoned_advice,
+    cause_of,
+    is_transient,
+)
 from tasks.base import LeaseTask
 from tasks.leases import handle, later
 from workers.app import app
@@ -52,17 +65,26 @@ def cleanup_delay_s(rt: Runtime, attempts: int) -> float:
 def destroy_lease(rt: Runtime, lease_id: str, reason: str, task_id: str | None) -> Destroyed:
     store = rt.store
     claimed = store.transition(lease_id, DESTROYABLE, LeaseState.DESTROYING,
-                               f"destroy: {reason}", task_id)
+                               f"destroy: {reason}", task_id,
+                               end_reason=func.coalesce(Lease.end_reason, reason[:64]))
     if claimed is None:
         current = store.get_lease(lease_id)
         if current.state in FINAL_STATES:
             return Destroyed(lease_id, DestroyResult.ALREADY_ENDED, current.state)
         return Destroyed(lease_id, DestroyResult.IN_PROGRESS, current.state)
-    provider = rt.provider(claimed.provider)
     try:
-        outcome = provider.destroy(handle(claimed))
+        outcome = rt.provider(claimed.provider).destroy(handle(claimed))
     except ProviderError as exc:
         return _record_failure(rt, claimed.lease_id, claimed.cleanup_attempts + 1, exc, task_id)
+    except Exception as exc:  # a provider bug must still end in a recorded state
+        log.exception("lease %s: provider %s destroy raised %s", lease_id, claimed.provider,
+                      type(exc).__name__)
+        wrapped = TerminalProviderError(
+            f"provider {claimed.provider} destroy of {claimed.provider_lease_id} raised "
+            f"{type(exc).__name__}: {str(exc)[:300]} (a provider bug, or a malformed reply)")
+        wrapped.__cause__ = exc
+        return _record_failure(rt, claimed.lease_id, claimed.cleanup_attempts + 1, wrapped,
+                               task_id)
     end_reason = claimed.end_reason or reason
     store.transition(lease_id, {LeaseState.DESTROYING}, LeaseState.DESTROYED,
                      f"destroyed ({outcome}): {reason}", task_id, end_reason=end_reason[:64],
@@ -75,14 +97,16 @@ def _record_failure(
 ) -> Destroyed:
     cap = rt.settings.cleanup_max_attempts
     if attempts >= cap:
+        cause = cause_of(exc)
         rt.store.transition(
             lease_id, {LeaseState.DESTROYING}, LeaseState.ABANDONED,
-            f"destroy failed {attempts} times (cap {cap}); left for an operator: {exc}",
-            task_id, cleanup_attempts=attempts, last_error=str(exc), next_cleanup_at=None,
+            f"destroy failed {attempts} times (cap {cap}); left for an operator: {cause}",
+            task_id, cleanup_attempts=attempts, last_error=cause, next_cleanup_at=None,
         )
-        log.error("lease %s abandoned after %d failed destroys; run `leasekeeper leases "
-                  "retry %s` once the provider is fixed: %s", lease_id, attempts, lease_id, exc)
-        return Destroyed(lease_id, DestroyResult.ABANDONED, LeaseState.ABANDONED, exc)
+        log.error("lease %s abandoned after %d failed destroys (%s). %s", lease_id, attempts,
+                  cause, abandoned_advice(lease_id))
+        return Destroyed(lease_id, DestroyResult.ABANDONED, LeaseState.ABANDONED,
+                         CleanupAbandoned.of(lease_id, attempts, cause))
     delay_s = 0.0 if is_transient(exc) and attempts == 1 else cleanup_delay_s(rt, attempts)
     rt.store.transition(
         lease_id, {LeaseState.DESTROYING}, LeaseState.PENDING_CLEANUP,
@@ -95,6 +119,9 @@ def _record_failure(
 
 @app.task(bind=True, base=LeaseTask, name="lease.destroy")
 def destroy(self: LeaseTask, lease_id: str, reason: str = "requested") -> dict[str, Any]:
+    if not isinstance(reason, str):
+        raise InvalidRequest("invalid lease.destroy payload: reason must be a string")
+    reason = reason[:200]
     with self.retrying():
         done = destroy_lease(self.runtime, lease_id, reason, self.request.id)
     if done.error is not None:

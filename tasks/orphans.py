@@ -11,8 +11,9 @@ is matched to its lease row (by its name, or the lease id its label carries):
   and ``lease.destroy`` is sent, so retries, backoff, the attempt cap and the event history
   apply to it like to any lease;
 - a destroyed lease whose resource is still listed after the destroy was recorded (it came
-  back, or an operator forgot a lease that was never removed): pending_cleanup again, the
-  destroy that did not take counted as an attempt, so one that keeps coming back ends
+  back, or an operator forgot a lease that was never removed): pending_cleanup again, with
+  the backend and metadata the listing reports now, the destroy that did not take counted
+  as an attempt, so one that keeps coming back ends
   abandoned and counted rather than looping.
 
 Young resources (an acquire may be in flight), resources the provider reports as already
@@ -138,7 +139,7 @@ def _revive(ctx: SweepContext, listing: Listing, resource: ManagedResource, leas
         lease_id, listing.listed_at,
         f"orphan: {listing.provider} still lists {resource.name} after its destroy was "
         "recorded; cleaning up again", utcnow(), s.claim_timeout_s, s.cleanup_max_attempts,
-        ctx.task_id)
+        ctx.task_id, found={"backend": resource.backend, "provider_meta": dict(resource.meta)})
     if moved is None:  # destroyed after we listed, or another tick revived it
         tally.add(OrphanOutcome.NOT_CLAIMED, lease_id)
     elif moved == LeaseState.ABANDONED:

@@ -1,11 +1,22 @@
 """``sandbox.reclaim``: tear down the sandbox behind a terminal run.
 
-Follows the seed's outcomes and orderings: no sandbox key → ``no-sandbox-key``; no tracked
-lease for the key → ``not-found``; the lease belongs to another provider → refused
-(``provider-mismatch``), touching nothing, not even the lease. Otherwise destroy. Where
-the seed deletes its only pointer even when destroy failed, we keep it: the lease becomes
-pending_cleanup (no longer resumable, still reachable by ``sweep.retry_cleanup``), the run
-records ``destroy-failed``, and the task fails with SandboxReclaimFailedError.
+Follows the seed's outcomes and orderings. The lease is the run's own (``run.lease_id``),
+never one found by sandbox key: a newer run may hold the key now. No sandbox key →
+``no-sandbox-key``; the run never got a lease, or its lease is already destroyed →
+``not-found``; the lease belongs to another provider → refused (``provider-mismatch``),
+touching nothing, not even the lease; another run bound to the lease is not finished
+(running, or interrupted: paused, it still needs the sandbox) → ``not-found``, the sandbox
+is not ours to take. Otherwise destroy.
+
+A possible leak is never reported as success. Where the seed deletes its only pointer
+even when destroy failed, we keep it: the lease becomes pending_cleanup (no longer
+resumable, still reachable by ``sweep.retry_cleanup``), the run records
+``destroy-failed``, and the task fails with SandboxReclaimFailedError. A lease that is
+abandoned (before reclaim read it, between the read and the claim, or by this very
+destroy reaching the attempt cap) is ``destroy-failed`` too, and the error and the ERROR
+log line say it waits for an operator and which command to run. Once a later destroy
+succeeds, the run's outcome becomes ``destroyed`` (models/store.py); the failures stay in
+the lease's history.
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from models.schema import TERMINAL_RUN_STATUSES, ReclaimOutcome, RunStatus
+from models.schema import TERMINAL_RUN_STATUSES, LeaseState, ReclaimOutcome
 from providers.errors import (
     InvalidRequest,
     NotFound,
@@ -53,30 +64,54 @@ def reclaim_run(rt: Runtime, run_id: str, task_id: str | None) -> Reclaimed:
     if run.sandbox_key is None:
         return _record(rt, Reclaimed(run_id, ReclaimOutcome.NO_SANDBOX_KEY))
     # NOT guarded: a store failure here means we do not know what to destroy; it propagates.
-    lease = store.tracked_lease_for_key(run.sandbox_key)
+    lease = store.find_lease(run.lease_id) if run.lease_id else None
     if lease is None:
-        return _record(rt, Reclaimed(run_id, ReclaimOutcome.NOT_FOUND))
+        return _record(rt, Reclaimed(run_id, ReclaimOutcome.NOT_FOUND, run.lease_id,
+                                     "the run has no lease" if run.lease_id is None
+                                     else "its lease row is gone"))
     if lease.provider != run.provider:
         log.warning("reclaim: lease %s belongs to provider %s, run %s to %s; refusing",
                     lease.lease_id, lease.provider, run_id, run.provider)
         return _record(rt, Reclaimed(run_id, ReclaimOutcome.PROVIDER_MISMATCH, lease.lease_id,
                                      f"lease provider {lease.provider}"))
-    if lease.run_id not in (None, run_id):
-        current = store.get_run(lease.run_id)
-        if current is not None and current.status == RunStatus.RUNNING:
-            # A reused sandbox now serves a newer run of the thread: not ours to destroy.
-            return _record(rt, Reclaimed(run_id, ReclaimOutcome.NOT_FOUND, lease.lease_id,
-                                         f"sandbox now serves run {lease.run_id}"))
+    if lease.state == LeaseState.DESTROYED:
+        return _record(rt, Reclaimed(run_id, ReclaimOutcome.NOT_FOUND, lease.lease_id,
+                                     "its lease is already destroyed"))
+    if lease.state == LeaseState.ABANDONED:
+        return _abandoned(rt, run_id, run.sandbox_key, lease.lease_id)
+    in_use = store.other_unfinished_runs(lease.lease_id, run_id)
+    if in_use:
+        # A reused sandbox still serves another run of the thread: not ours to destroy.
+        return _record(rt, Reclaimed(run_id, ReclaimOutcome.NOT_FOUND, lease.lease_id,
+                                     f"sandbox still serves run {', '.join(in_use)}"))
     done = destroy_lease(rt, lease.lease_id, f"reclaim of run {run_id}", task_id)
-    if done.result == DestroyResult.IN_PROGRESS:
-        raise TransientProviderError(f"lease {lease.lease_id} is being destroyed; retrying")
-    if done.error is not None:
-        _record(rt, Reclaimed(run_id, ReclaimOutcome.DESTROY_FAILED, lease.lease_id))
-        log.error("reclaim: destroy failed for run %s; lease %s is %s and will be retried",
-                  run_id, lease.lease_id, done.state)
-        raise SandboxReclaimFailedError.of(run_id, run.sandbox_key, lease.lease_id,
-                                           str(done.error))
-    return _record(rt, Reclaimed(run_id, ReclaimOutcome.DESTROYED, lease.lease_id))
+    match done.result:
+        case DestroyResult.IN_PROGRESS:
+            raise TransientProviderError(f"lease {lease.lease_id} is being destroyed; retrying")
+        case DestroyResult.DESTROYED:
+            return _record(rt, Reclaimed(run_id, ReclaimOutcome.DESTROYED, lease.lease_id))
+        case DestroyResult.ALREADY_ENDED if done.state == LeaseState.DESTROYED:
+            return _record(rt, Reclaimed(run_id, ReclaimOutcome.DESTROYED, lease.lease_id,
+                                         "destroyed by another task meanwhile"))
+        case DestroyResult.ALREADY_ENDED | DestroyResult.ABANDONED:
+            # Abandoned between our read and our claim, or by this attempt at the cap.
+            return _abandoned(rt, run_id, run.sandbox_key, lease.lease_id)
+        case DestroyResult.CLEANUP_PENDING:
+            _record(rt, Reclaimed(run_id, ReclaimOutcome.DESTROY_FAILED, lease.lease_id))
+            log.error("reclaim: destroy failed for run %s; the sandbox may still be running. "
+                      "Lease %s is pending_cleanup and sweep.retry_cleanup will retry it: %s",
+                      run_id, lease.lease_id, done.error)
+            raise SandboxReclaimFailedError.of(run_id, run.sandbox_key, lease.lease_id,
+                                               str(done.error))
+
+
+def _abandoned(rt: Runtime, run_id: str, sandbox_key: str, lease_id: str) -> Reclaimed:
+    """The run's lease is abandoned: a possible leak, reported as one, never as success."""
+    cause = rt.store.get_lease(lease_id).last_error or "its cleanup gave up"
+    _record(rt, Reclaimed(run_id, ReclaimOutcome.DESTROY_FAILED, lease_id, "lease abandoned"))
+    error = SandboxReclaimFailedError.of(run_id, sandbox_key, lease_id, cause, abandoned=True)
+    log.error("reclaim: run %s: %s", run_id, error)
+    raise error
 
 
 def _record(rt: Runtime, reclaimed: Reclaimed) -> Reclaimed:

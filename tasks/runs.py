@@ -57,6 +57,9 @@ def finish(
 def finish_run(self: LeaseTask, run_id: str, status: str, exit_code: int | None = None,
                error: str | None = None) -> dict[str, Any]:
     run_id, parsed = parse_finish(run_id, status, exit_code)
+    if error is not None and not isinstance(error, str):
+        raise InvalidRequest("invalid run.finish payload: error must be a string or null")
+    error = None if error is None else error[:2000]
     with self.retrying():
         change, reclaim_now = finish(self.runtime, run_id, parsed, exit_code, error)
     if reclaim_now:

@@ -31,11 +31,13 @@ class ReapOutcome(StrEnum):
     ABORTED_DETACHED = "aborted_detached"  # detached past the TTL: aborted, cancel recorded
     RECLAIMS_ENQUEUED = "reclaims_enqueued"  # sandbox.reclaim sent (aborted ones included)
     NOT_CLAIMED = "not_claimed"  # the viewer came back, or another tick won the claim
+    SETTLED = "settled"  # still running/interrupted on an ended lease: aborted with its reason
 
 
 def reap_runs(ctx: SweepContext) -> Tally:
     """Abort runs detached past the TTL (inclusive cutoff) and reclaim their sandboxes;
-    re-send the reclaim of terminal runs whose reclaim was lost."""
+    re-send the reclaim of terminal runs whose reclaim was lost; settle runs left
+    unfinished on an ended lease."""
     s, claims, tally = ctx.rt.settings, ctx.claims, Tally(ReapOutcome)
     now = utcnow()
     cutoff = now - timedelta(seconds=s.run_detach_ttl_s)
@@ -46,6 +48,7 @@ def reap_runs(ctx: SweepContext) -> Tally:
             tally.add(ReapOutcome.ABORTED_DETACHED, run_id)
         for run_id in lost:
             tally.add(ReapOutcome.RECLAIMS_ENQUEUED, run_id)
+        settle_runs(ctx, tally)
         return tally
     aborted = claims.claim_detached_runs(detached, cutoff, s.claim_timeout_s)
     for _ in range(len(detached) - len(aborted)):
@@ -59,7 +62,20 @@ def reap_runs(ctx: SweepContext) -> Tally:
     for run_id in [*due, *reclaims]:
         ctx.effects.reclaim(run_id)
         tally.add(ReapOutcome.RECLAIMS_ENQUEUED, run_id)
+    settle_runs(ctx, tally)
     return tally
+
+
+def settle_runs(ctx: SweepContext, tally: Tally) -> None:
+    """Repair runs that say running or interrupted while their lease has ended: every
+    lease end settles its runs (models/store.py), this catches any it did not."""
+    claims = ctx.claims
+    due = claims.due_runs_on_ended_leases(ctx.rt.settings.sweep_batch_size)
+    settled = due if ctx.dry_run else claims.settle_runs_on_ended_leases(due)
+    for _ in range(len(due) - len(settled)):
+        tally.add(ReapOutcome.NOT_CLAIMED)
+    for run_id in settled:
+        tally.add(ReapOutcome.SETTLED, run_id)
 
 
 class ExpireOutcome(StrEnum):

@@ -76,16 +76,20 @@ class WorkerStack:
     def logfile(self) -> Path:
         return self.root / "worker.log"
 
-    def start_worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
-        return self.await_worker(self.spawn_worker(concurrency))
+    def start_worker(self, concurrency: int = 2, queues: list[str] | None = None
+                     ) -> subprocess.Popen[bytes]:
+        return self.await_worker(self.spawn_worker(concurrency, queues))
 
-    def spawn_worker(self, concurrency: int = 2) -> subprocess.Popen[bytes]:
-        """Start a worker without waiting for it (``await_worker`` waits)."""
+    def spawn_worker(self, concurrency: int = 2, queues: list[str] | None = None
+                     ) -> subprocess.Popen[bytes]:
+        """Start a worker without waiting for it (``await_worker`` waits); ``queues`` is its
+        ``-Q`` (unset: every queue of the installation)."""
         self.node += 1
+        only = ["-Q", ",".join(queues)] if queues else []
         with open(self.logfile, "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "celery", "-A", "workers.app", "worker", "-P", "prefork",
-                 "-c", str(concurrency), "-E", "-n", self.hostname(self.node),
+                 "-c", str(concurrency), "-E", "-n", self.hostname(self.node), *only,
                  "--without-gossip", "--without-mingle", "-l", "info"],
                 cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,

@@ -3,17 +3,30 @@
 Reliability settings: tasks are acknowledged late and requeued when a worker process
 dies, so a killed worker loses nothing (every task is idempotent); time limits stay under
 Redis' visibility timeout so a running task is never delivered twice; events are on so
-Flower shows every lifecycle task.
+Flower shows every lifecycle task. Redaction is worker-side (tasks/redaction.py): the log
+filter goes on every handler once Celery has set logging up, in the worker and in beat.
+At start the worker logs which broker it uses (password hidden) and where that came from.
+Tasks are routed to lanes (workers/queues.py) so cleanup never waits behind queued acquires.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_init, worker_process_init
+from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
+    celeryd_after_setup,
+    worker_init,
+    worker_process_init,
+)
+from kombu.utils.url import maybe_sanitize_url
 
 from workers.beat import beat_schedule
+from workers.queues import LaneRouter, task_queues
 from workers.settings import Settings, get_settings
 
 TASK_MODULES = ["tasks.acquire", "tasks.resume", "tasks.destroy", "tasks.reclaim",
@@ -23,7 +36,10 @@ TASK_MODULES = ["tasks.acquire", "tasks.resume", "tasks.destroy", "tasks.reclaim
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     broker = settings.effective_broker_url
-    transport = {"visibility_timeout": int(settings.visibility_timeout_s)}
+    # "priority": a worker polls its queues in the order of task_queues (cleanup first),
+    # instead of round robin; see workers/queues.py.
+    transport = {"visibility_timeout": int(settings.visibility_timeout_s),
+                 "queue_order_strategy": "priority"}
     return {
         "broker_url": broker,
         "result_backend": settings.result_backend_url or broker,
@@ -41,13 +57,18 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "task_default_queue": settings.task_queue,
+        "task_queues": task_queues(settings.task_queue),
         "task_soft_time_limit": settings.task_soft_time_limit_s,
         "task_time_limit": settings.task_time_limit_s,
         "task_track_started": True,
         "task_send_sent_event": True,
         "worker_send_task_events": True,
         "worker_hijack_root_logger": False,
+        # What a worker reports about a message with an unknown task name is redacted.
+        "worker_consumer": "tasks.redaction:RedactingConsumer",
         "beat_schedule": beat_schedule(settings),
+        # Under the var dir, not whatever directory beat was started in.
+        "beat_schedule_filename": str(settings.beat_schedule_file),
         "timezone": "UTC",
         "enable_utc": True,
     }
@@ -56,10 +77,34 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 def create_app(settings: Settings | None = None) -> Celery:
     app = Celery("leasekeeper", include=TASK_MODULES)
     app.conf.update(celery_config(settings or get_settings()))
+    app.conf.task_routes = (LaneRouter(app.conf),)
     return app
 
 
 app = create_app()
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _redact_logs(logger: logging.Logger, **_: Any) -> None:
+    from tasks.redaction import install_filter
+
+    install_filter(logger)
+    # The var dir holds beat's schedule file (opened right after logging is set up). If
+    # it cannot be made, the process using it reports that itself, naming the path.
+    with contextlib.suppress(OSError):
+        get_settings().var_dir.mkdir(parents=True, exist_ok=True)
+
+
+@celeryd_after_setup.connect
+def _say_which_broker(**_: Any) -> None:
+    settings = get_settings()
+    # At WARNING, so it shows at the default log level too: a worker looping on an
+    # unreachable broker must say which one and why that one.
+    logging.getLogger("leasekeeper.worker").warning(
+        "leasekeeper worker: broker %s (from %s), queue %s, store %s",
+        maybe_sanitize_url(settings.effective_broker_url), settings.broker_source(),
+        settings.task_queue, maybe_sanitize_url(settings.effective_store_url))
 
 
 @worker_init.connect

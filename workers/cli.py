@@ -4,6 +4,7 @@
     leasekeeper db upgrade                          apply the store's migrations
     leasekeeper reap [--dry-run] [--sweep NAME]     run every sweep once (or show what it would do)
     leasekeeper leases list|show|retry|forget       inspect leases, act on abandoned ones
+    leasekeeper check [--json]                      check the store's invariants
     leasekeeper metrics                             the Prometheus exporter (/metrics)
     leasekeeper console                             the lease console (web, basic auth)
 """
@@ -19,6 +20,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from models.schema import utcnow
 from providers.errors import LeasekeeperError
 from workers.settings import get_settings
 
@@ -170,6 +172,26 @@ def leases_forget(lease_id: str, reason: Annotated[str, typer.Option()] = "by op
     moved = forget_abandoned(_runtime().store, lease_id, reason)
     typer.echo("forgotten" if moved else "only abandoned leases can be forgotten")
     raise typer.Exit(0 if moved else 1)
+
+
+@cli.command()
+def check(
+    as_json: Annotated[bool, typer.Option("--json", help="Print the violations as JSON")] = False,
+) -> None:
+    """Check the store's invariants (models/invariants.py); exit 1 on any violation."""
+    import json
+
+    from models.invariants import check as check_store
+
+    rt = _runtime()
+    violations = check_store(rt.store, utcnow(), rt.settings.claim_timeout_s)
+    if as_json:
+        typer.echo(json.dumps({"violations": [v.as_dict() for v in violations]}, indent=1))
+    else:
+        for violation in violations:
+            typer.echo(violation.describe())
+        typer.echo(f"{len(violations)} violation(s)" if violations else "no violations")
+    raise typer.Exit(1 if violations else 0)
 
 
 @cli.command()

@@ -90,7 +90,14 @@ class Settings(BaseSettings):
     retry_backoff_max_s: float = Field(default=300.0, gt=0)
     task_soft_time_limit_s: float = Field(default=600.0, gt=0)
     task_time_limit_s: float = Field(default=900.0, gt=0)
+    # Redis' visibility timeout: a message taken by a worker that then died (SIGKILL, lost
+    # host) is handed to another worker only once this has passed since it was taken (the
+    # README's "Delivery" has the measured worst case). Lower means faster recovery after a
+    # crash but must stay above task_time_limit_s, or a task still running is delivered twice.
     visibility_timeout_s: float = Field(default=3600.0, gt=0)
+    # A task message whose arguments are larger than this is refused (InvalidRequest)
+    # before any lookup: tasks take ids and small specs.
+    max_payload_bytes: int = Field(default=256 * 1024, ge=1024)
     # The Celery queue this installation's tasks are sent to and its workers consume. Two
     # installations (or test stacks) sharing one Redis each need their own.
     task_queue: str = Field(default="celery", pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$")
@@ -155,7 +162,17 @@ class Settings(BaseSettings):
 
     @property
     def effective_local_root(self) -> Path:
-        return (self.local_root_dir or self.var_dir / "sandboxes").resolve()
+        """LEASEKEEPER_LOCAL_ROOT_DIR; a relative one is under LEASEKEEPER_VAR_DIR."""
+        return (self.var_dir / (self.local_root_dir or "sandboxes")).resolve()
+
+    @property
+    def beat_schedule_file(self) -> Path:
+        return (self.var_dir / "celerybeat-schedule").resolve()
+
+    def broker_source(self) -> str:
+        """Where the broker URL came from, for the worker's start-up line."""
+        return (f"{ENV_PREFIX}BROKER_URL" if self.broker_url else
+                f"the default, {ENV_PREFIX}BROKER_URL is not set")
 
     def require_broker_url(self) -> str:
         if not self.broker_url:

@@ -97,6 +97,7 @@ from providers.kubernetes.status import (
     uid_of,
 )
 from providers.kubernetes.waits import WaitOutcome, WaitResult, wait_for
+from providers.spec import SandboxSpec
 
 if TYPE_CHECKING:
     from workers.settings import Settings
@@ -145,6 +146,9 @@ class KubernetesProvider:
     # -- naming -------------------------------------------------------------------------
     def lease_name(self, lease_id: str) -> str:
         return _lease_name(lease_id)
+
+    def check_spec(self, spec: SandboxSpec) -> None:
+        return None  # the image's command is only known to the cluster
 
     def _backend(self, raw: str | None) -> Backend:
         try:

@@ -11,7 +11,9 @@ client) and counted against the store.
 Asserted: no real resource without a live (or counted, abandoned) lease; no lease stuck in
 a non-final state other than legitimately active ones; every terminal run due a reclaim
 reclaimed; every abandoned lease counted (the retry sweep's ``abandoned_total``), and gone
-once an operator retries it. The counts are printed (run with ``-s`` to see them).
+once an operator retries it; then ``leasekeeper check`` finds no record that lies (no
+run on an ended lease, no live lease without its run, no reclaim outcome contradicting its
+lease). The counts are printed (run with ``-s`` to see them).
 """
 
 from __future__ import annotations
@@ -326,3 +328,6 @@ def test_nothing_leaks(chaos: ChaosCluster, target: ChaosTarget) -> None:
         assert final.converged and not final.abandoned, (
             f"{final.show()}\n{histories(rt, final.suspects)}")
         assert final.real == 0, f"resources left: {target.real_resources()}"
+        # Every record tells the truth once it has settled: the operator's invariant check.
+        checked = operator(chaos, "check", "--json")
+        assert checked.returncode == 0, f"invariants violated:\n{checked.stdout}{checked.stderr}"

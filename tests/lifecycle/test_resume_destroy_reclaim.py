@@ -170,6 +170,12 @@ def test_reclaim_without_sandbox_key(rt: Runtime) -> None:
 def test_reclaim_refuses_a_lease_of_another_provider_and_touches_nothing(rt: Runtime) -> None:
     lease_id = acquire(rt, sandbox_key="shared-key")
     rt.store.start_run("run-2", None, "noop", "shared-key")
+    from sqlalchemy import update
+
+    from models.schema import Run
+
+    with rt.store.tx() as s:  # bound across providers (as reuse did before its provider gate)
+        s.execute(update(Run).where(Run.run_id == "run-2").values(lease_id=lease_id))
     finish(rt, "run-2", RunStatus.COMPLETED, 0, None)
     events_before = len(rt.store.events(lease_id))
     assert reclaim_run(rt, "run-2", None).outcome == ReclaimOutcome.PROVIDER_MISMATCH

@@ -89,12 +89,3 @@ def test_sweep_tick_log_keeps_the_newest_ticks_of_each_sweep(store_url: str) -> 
         ("sweep.orphans", "ran"), ("sweep.reap_runs", "failed")}
     store.dispose()
 
-
-def test_the_migration_goes_down_and_up(store_url: str) -> None:
-    from models.migrate import downgrade, upgrade
-
-    downgrade(store_url, "0001")
-    upgrade(store_url)
-    store = Store(store_url)
-    assert Observe(store).max_tick_id() == 0
-    store.dispose()

@@ -176,3 +176,17 @@ def test_dry_run_changes_nothing(rt: Runtime, effects: Recorder) -> None:
     assert tally[OrphanOutcome.RECORDED] == 1 and effects.destroys == []
     assert rt.store.find_lease(lease_id) is None
     assert rt.provider("local").list_managed()[0].meta["alive"]
+
+
+def test_revive_takes_the_backend_and_metadata_the_listing_reports_now(
+    rt: Runtime, effects: Recorder
+) -> None:
+    lease_id = acquire(rt, "run-1")
+    destroy_lease(rt, lease_id, "done", None)
+    old_meta = rt.store.get_lease(lease_id).provider_meta
+    reappear(rt, lease_id)  # a new process under the same name: another pid, another start
+    (listed,) = rt.provider("local").list_managed()
+    assert orphans(SweepContext(rt, effects))[OrphanOutcome.REVIVED] == 1
+    lease = rt.store.get_lease(lease_id)
+    assert lease.state == LeaseState.PENDING_CLEANUP and lease.backend == listed.backend
+    assert lease.provider_meta == listed.meta and lease.provider_meta["pid"] != old_meta["pid"]

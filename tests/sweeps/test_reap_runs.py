@@ -113,3 +113,30 @@ def test_dry_run_changes_nothing(rt: Runtime, effects: Recorder) -> None:
     tally = reap_runs(SweepContext(rt, effects, dry_run=True))
     assert tally[ReapOutcome.ABORTED_DETACHED] == 1 and "aborted_detached run-1" in tally.items
     assert rt.store.get_run("run-1").status == RunStatus.RUNNING and effects.reclaims == []
+
+
+def test_runs_left_unfinished_on_an_ended_lease_are_settled_once(
+    rt: Runtime, effects: Recorder
+) -> None:
+    from tests.sweeps.conftest import set_lease
+
+    running = acquire(rt, "run-running")
+    paused = acquire(rt, "run-paused")
+    live = acquire(rt, "run-live")
+    finish(rt, "run-paused", RunStatus.INTERRUPTED, None, None)
+    # Ended behind the system's back (a lost write, or rows from before the settling rule).
+    set_lease(rt, running, state=LeaseState.DESTROYED, live_key=None, end_reason="expired")
+    set_lease(rt, paused, state=LeaseState.ABANDONED, live_key=None, end_reason=None)
+    dry = reap_runs(SweepContext(rt, effects, dry_run=True))
+    assert dry[ReapOutcome.SETTLED] == 2
+    assert rt.store.get_run("run-running").status == RunStatus.RUNNING  # a dry run writes nothing
+    tally = reap_runs(SweepContext(rt, effects))
+    assert tally[ReapOutcome.SETTLED] == 2 and effects.reclaims == []
+    assert sorted(i for i in tally.items if i.startswith("settled")) == [
+        "settled run-paused", "settled run-running"]
+    run = rt.store.get_run("run-running")
+    assert run.status == RunStatus.ABORTED and run.error == f"its lease {running} ended: expired"
+    assert rt.store.get_run("run-paused").error == f"its lease {paused} ended: abandoned"
+    assert rt.store.get_run("run-live").status == RunStatus.RUNNING
+    assert rt.store.get_lease(live).state == LeaseState.ACTIVE
+    assert reap_runs(SweepContext(rt, effects))[ReapOutcome.SETTLED] == 0

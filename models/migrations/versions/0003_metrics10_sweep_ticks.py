@@ -1,7 +1,7 @@
 """sweep ticks log; indexes for the metrics' counts and the console's pages
 
-Revision ID: 0002_metrics10
-Revises: 0001
+Revision ID: 0003_metrics10
+Revises: 0002_perf12
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import sqlalchemy as sa
 from alembic import op
 
 
-revision = '0002_metrics10'
-down_revision = '0001'
+revision = '0003_metrics10'
+down_revision = '0002_perf12'
 branch_labels = None
 depends_on = None
 

@@ -1,0 +1,112 @@
+"""The lifecycle's invariants over the store, checked by ``leasekeeper check``.
+
+Each rule is a read-only query; a row it returns is a record that does not tell the truth:
+
+- ``run-on-ended-lease``: a run says running or interrupted, yet its own lease is
+  destroyed or abandoned (its sandbox is gone, or given up on);
+- ``live-lease-without-run``: a lease is provisioning or active, yet its run row is gone
+  (or it never had one);
+- ``unreclaimed-ephemeral-lease``: a run finished more than the claim timeout ago, yet its
+  own (not reused) lease is still provisioning or active: nobody is reclaiming it;
+- ``reclaim-outcome-mismatch``: the run's reclaim outcome contradicts its lease's state
+  (``destroyed`` but the lease is not; ``destroy-failed`` but the lease is destroyed or
+  live; ``not-found`` while the lease, last bound to this very run, is abandoned).
+
+Rows whose lease record is missing are not judged here: ``sweep.orphans`` finds what such
+a lease left behind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from datetime import datetime, timedelta
+from enum import StrEnum
+from typing import Any
+
+from sqlalchemy import and_, or_, select
+
+from models.schema import (
+    FINAL_STATES,
+    LIVE_STATES,
+    TERMINAL_RUN_STATUSES,
+    Lease,
+    LeaseState,
+    ReclaimOutcome,
+    Run,
+    RunStatus,
+)
+from models.store import Store
+
+UNFINISHED = [RunStatus.RUNNING, RunStatus.INTERRUPTED]
+
+
+class Rule(StrEnum):
+    RUN_ON_ENDED_LEASE = "run-on-ended-lease"
+    LIVE_LEASE_WITHOUT_RUN = "live-lease-without-run"
+    UNRECLAIMED_EPHEMERAL_LEASE = "unreclaimed-ephemeral-lease"
+    RECLAIM_OUTCOME_MISMATCH = "reclaim-outcome-mismatch"
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: Rule
+    lease_id: str | None
+    run_id: str | None
+    detail: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "rule": self.rule.value}
+
+    def describe(self) -> str:
+        return f"{self.rule}: lease {self.lease_id or '-'} run {self.run_id or '-'}: {self.detail}"
+
+
+def check(store: Store, now: datetime, claim_timeout_s: float) -> list[Violation]:
+    """Every violation in the store now, rule by rule, oldest first (one transaction)."""
+    found: list[Violation] = []
+    both = Run.__table__.join(Lease.__table__, Lease.lease_id == Run.lease_id)
+    with store.tx() as s:
+        for run_id, status, lease_id, state, end_reason in s.execute(
+                select(Run.run_id, Run.status, Lease.lease_id, Lease.state, Lease.end_reason)
+                .select_from(both)
+                .where(Run.status.in_(UNFINISHED), Lease.state.in_(list(FINAL_STATES)))
+                .order_by(Run.started_at)):
+            found.append(Violation(Rule.RUN_ON_ENDED_LEASE, lease_id, run_id,
+                                   f"run is {status} but its lease is {state} ({end_reason})"))
+
+        for live_id, live_state, bound_run in s.execute(
+                select(Lease.lease_id, Lease.state, Lease.run_id)
+                .select_from(Lease.__table__.outerjoin(Run.__table__,
+                                                       Run.run_id == Lease.run_id))
+                .where(Lease.state.in_(list(LIVE_STATES)), Run.run_id.is_(None))
+                .order_by(Lease.created_at)):
+            found.append(Violation(Rule.LIVE_LEASE_WITHOUT_RUN, live_id, bound_run,
+                                   f"lease is {live_state} but its run "
+                                   f"{'row is gone' if bound_run else 'was never recorded'}"))
+
+        cutoff = now - timedelta(seconds=claim_timeout_s)
+        for run_id, status, finished_at, lease_id, state in s.execute(
+                select(Run.run_id, Run.status, Run.finished_at, Lease.lease_id, Lease.state)
+                .select_from(both)
+                .where(Run.status.in_(list(TERMINAL_RUN_STATUSES)), Run.finished_at <= cutoff,
+                       Lease.reuse.is_(False), Lease.state.in_(list(LIVE_STATES)))
+                .order_by(Run.finished_at)):
+            found.append(Violation(
+                Rule.UNRECLAIMED_EPHEMERAL_LEASE, lease_id, run_id,
+                f"run {status} at {finished_at and finished_at.isoformat()}Z, more than "
+                f"{claim_timeout_s:g}s ago, but its ephemeral lease is still {state}"))
+
+        contradictions = or_(
+            and_(Run.reclaim_outcome == ReclaimOutcome.DESTROYED,
+                 Lease.state != LeaseState.DESTROYED),
+            and_(Run.reclaim_outcome == ReclaimOutcome.DESTROY_FAILED,
+                 Lease.state.in_([LeaseState.DESTROYED, *LIVE_STATES])),
+            and_(Run.reclaim_outcome == ReclaimOutcome.NOT_FOUND,
+                 Lease.state == LeaseState.ABANDONED, Lease.run_id == Run.run_id),
+        )
+        for run_id, outcome, lease_id, state in s.execute(
+                select(Run.run_id, Run.reclaim_outcome, Lease.lease_id, Lease.state)
+                .select_from(both).where(contradictions).order_by(Run.finished_at)):
+            found.append(Violation(Rule.RECLAIM_OUTCOME_MISMATCH, lease_id, run_id,
+                                   f"reclaim outcome {outcome} but the lease is {state}"))
+    return found

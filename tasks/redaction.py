@@ -1,0 +1,244 @@
+"""Worker-side redaction: no client, however it sends a task, can make a secret show.
+
+A plain ``celery`` client sends its own ``argsrepr``/``kwargsrepr`` (Celery's default is
+the full repr of the arguments, secrets included), and the worker publishes those in its
+task events (Flower), ``celery inspect`` answers and log lines. So the worker rebuilds them:
+
+- ``RedactingRequest`` (every leasekeeper task's ``Request`` class) replaces the client's
+  reprs with bounded reprs of the arguments with every ``secret_env`` value as ``***``
+  (by field), before the task-received event, the logs or ``inspect`` see them;
+- ``RedactingConsumer`` (the worker's consumer) hands Celery a redacted copy of a message
+  whose task name is unknown (or that is invalid or undecodable), so the body and headers
+  Celery logs about it are redacted by field, and the name it echoes is cut short;
+- ``RedactingFilter`` (on the worker's and beat's log handlers) rewrites every log record:
+  text that looks like a ``secret_env`` mapping in any repr or JSON, as Celery logs the
+  whole body of a message for an unknown task name (by value-scan), and any secret value
+  this process has seen in a message (by value). Every record is cut to a bounded size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from celery.utils.saferepr import saferepr
+from celery.worker.consumer import Consumer
+from celery.worker.request import Request
+
+from providers.spec import REDACTED
+
+SECRET_FIELDS = frozenset({"secret_env"})
+REPR_MAX_CHARS = 1024  # what Flower, events and logs show of a task's arguments
+LOG_MAX_CHARS = 4000  # one log message (its traceback is cut separately)
+TRACEBACK_MAX_CHARS = 16000
+# Secret values shorter than this are not searched for in free text (they would garble
+# every log line); they are still redacted wherever they appear under ``secret_env``.
+MIN_SCANNED_SECRET_CHARS = 6
+_KNOWN_MAX = 1024
+
+
+def redact(value: Any) -> Any:
+    """A copy of task arguments with every secret value replaced by ``***``."""
+    if isinstance(value, dict):
+        return {
+            k: (dict.fromkeys(map(str, v), REDACTED) if k in SECRET_FIELDS and isinstance(v, dict)
+                else REDACTED if k in SECRET_FIELDS else redact(v))
+            for k, v in value.items()
+        }
+    if isinstance(value, list | tuple):
+        return [redact(v) for v in value]
+    return value
+
+
+def secret_values(value: Any) -> list[str]:
+    """Every string found under a ``secret_env`` key, at any depth."""
+    found: list[str] = []
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if k in SECRET_FIELDS:
+                found.extend(_strings(v))
+            else:
+                found.extend(secret_values(v))
+    elif isinstance(value, list | tuple):
+        for v in value:
+            found.extend(secret_values(v))
+    return found
+
+
+def _strings(value: Any) -> Iterable[str]:
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _strings(v)
+    elif isinstance(value, list | tuple):
+        for v in value:
+            yield from _strings(v)
+
+
+def bounded_repr(value: Any) -> str:
+    return str(saferepr(redact(value), maxlen=REPR_MAX_CHARS))
+
+
+def bounded(text: str, limit: int = LOG_MAX_CHARS) -> str:
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit} more characters cut]"
+
+
+# -- value-scan: secrets seen by this process ------------------------------------------
+_known: OrderedDict[str, None] = OrderedDict()
+_known_lock = threading.Lock()
+
+
+def remember(values: Iterable[str]) -> None:
+    """Keep the most recent secret values this process handled, to scrub them from text."""
+    with _known_lock:
+        for value in values:
+            if len(value) >= MIN_SCANNED_SECRET_CHARS:
+                _known[value] = None
+                _known.move_to_end(value)
+        while len(_known) > _KNOWN_MAX:
+            _known.popitem(last=False)
+
+
+# -- value-scan: secret_env mappings in free text ------------------------------------------
+# `'secret_env': `, `"secret_env": `, `\"secret_env\": ` (JSON in a string), `secret_env=`.
+_FIELD = re.compile(r"""secret_env\\?['"]?\s*[:=]\s*""")
+# What the field-based redaction already wrote: `{'NAME': '***', ...}` (or JSON quotes).
+_Q = r"""\\?['"]"""
+_ALREADY = re.compile(rf"\{{(\s*{_Q}[A-Za-z0-9_]*{_Q}:\s*{_Q}\*\*\*{_Q},?)*\s*\}}|{_Q}\*\*\*{_Q}")
+
+
+def scrub_text(text: str) -> str:
+    """``text`` with every ``secret_env`` value and every known secret value redacted.
+
+    A ``secret_env`` value not already in the redacted shape is cut from there to the end
+    of its line: reprs of reprs of JSON nest escapes too deeply to find where a value ends
+    for sure, and a debug dump losing its tail is better than a secret shown.
+    """
+    if "secret_env" in text:
+        out: list[str] = []
+        pos = 0
+        for match in _FIELD.finditer(text):
+            if match.start() < pos:
+                continue
+            out.append(text[pos:match.end()])
+            done = _ALREADY.match(text, match.end())
+            if done:
+                out.append(done.group(0))
+                pos = done.end()
+            else:
+                line_end = text.find("\n", match.end())
+                pos = len(text) if line_end < 0 else line_end
+                out.append(f"'{REDACTED}' [rest of line withheld]")
+        out.append(text[pos:])
+        text = "".join(out)
+    with _known_lock:
+        known = [v for v in _known if v in text]
+    for value in known:
+        text = text.replace(value, REDACTED)
+    return text
+
+
+def scrub_exception(exc: BaseException) -> None:
+    """Scrub known secret values from an exception's arguments, in place (its type stays,
+    so Flower, the result backend and the log show the same error, minus the secret)."""
+    if exc.args and any(isinstance(a, str) for a in exc.args):
+        exc.args = tuple(scrub_text(a) if isinstance(a, str) else a for a in exc.args)
+
+
+class RedactingRequest(Request):  # type: ignore[misc]
+    """A task request whose reprs (events, logs, ``inspect``) never carry a secret."""
+
+    def __init__(self, message: Any, **options: Any) -> None:
+        super().__init__(message, **options)
+        remember(secret_values([self._args, self._kwargs]))
+        self._argsrepr = bounded_repr(self._args)
+        self._kwargsrepr = bounded_repr(self._kwargs)
+        self._request_dict["argsrepr"] = self._argsrepr
+        self._request_dict["kwargsrepr"] = self._kwargsrepr
+
+    def info(self, safe: bool = False) -> dict[str, Any]:
+        info: dict[str, Any] = super().info(safe=True)  # never the raw arguments
+        return info
+
+
+@contextlib.contextmanager
+def _redacted_message(message: Any) -> Iterator[None]:
+    """While Celery reports the message, its body and headers are redacted copies."""
+    body, headers = message.body, message.headers
+    # A reporting path must never fail, whatever the message holds: broad excepts here.
+    try:
+        args, kwargs, embed = message.decode()
+        message.body = json.dumps(redact([args, kwargs, embed])).encode()
+        reprs = {"argsrepr": bounded_repr(args), "kwargsrepr": bounded_repr(kwargs)}
+    except Exception:  # not the JSON task protocol: say only how big it was
+        message.body = f"<{len(body or b'')} bytes, not shown>".encode()
+        reprs = {"argsrepr": "?", "kwargsrepr": "?"}
+    try:
+        shown = redact(dict(headers or {}))
+    except Exception:
+        shown = {}
+    message.headers = {**shown, **reprs, "task": bounded(str(shown.get("task")), 200)}
+    try:
+        yield
+    finally:
+        message.body, message.headers = body, headers
+
+
+class RedactingConsumer(Consumer):  # type: ignore[misc]
+    """The worker's consumer: what it reports about a message it cannot run (an unknown
+    task name, an invalid or undecodable message) shows no secret."""
+
+    def on_invalid_task(self, body: Any, message: Any, exc: BaseException) -> None:
+        with _redacted_message(message):
+            super().on_invalid_task(None, message, exc)
+
+    def on_unknown_message(self, body: Any, message: Any) -> None:
+        with _redacted_message(message):
+            super().on_unknown_message(None, message)
+
+    def on_decode_error(self, message: Any, exc: BaseException) -> None:
+        with _redacted_message(message):
+            super().on_decode_error(message, exc)
+
+    def on_unknown_task(self, body: Any, message: Any, exc: BaseException) -> None:
+        with _redacted_message(message):
+            name = str(exc.args[0]) if exc.args else str(exc)  # KeyError(name), cut short
+            super().on_unknown_task(None, message, KeyError(bounded(name, 200)))
+
+
+class RedactingFilter(logging.Filter):
+    """Rewrites every record: secrets redacted, message and traceback bounded."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:  # a record whose args do not fit its format: show the format
+            message = str(record.msg)
+        record.msg, record.args = bounded(scrub_text(message)), None
+        data = getattr(record, "data", None)  # Celery's structured copy of the log args
+        if isinstance(data, dict):
+            record.data = {k: bounded(scrub_text(v)) if isinstance(v, str) else v
+                           for k, v in data.items()}
+        if record.exc_info and not record.exc_text:
+            record.exc_text = logging.Formatter().formatException(record.exc_info)
+        if record.exc_text:
+            record.exc_text = bounded(scrub_text(record.exc_text), TRACEBACK_MAX_CHARS)
+            record.exc_info = None
+        return True
+
+
+def install_filter(logger: logging.Logger) -> None:
+    """Put the filter on every handler of ``logger`` (records from child loggers reach
+    handlers without passing the parent's own filters)."""
+    for handler in logger.handlers:
+        if not any(isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())

@@ -1,0 +1,93 @@
+"""Reclaim when another worker changes the lease between reclaim's read and its claim, and
+every lease end settling its runs, on SQLite and PostgreSQL with real local sandboxes.
+
+The race needs "the other worker" to act exactly between two store calls of one task: a
+Store whose destroy claim first lets a given change happen (the one seam faked here; the
+database, the provider and the task logic are real)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from models.schema import LeaseState, ReclaimOutcome, RunStatus
+from models.store import Store
+from providers.errors import SandboxReclaimFailedError
+from providers.spec import SandboxSpec
+from tasks.acquire import acquire_lease
+from tasks.destroy import destroy_lease
+from tasks.reclaim import reclaim_run
+from tasks.runs import finish
+from workers.runtime import Runtime
+
+pytestmark = pytest.mark.timeout(90)
+
+
+class RacingStore(Store):
+    """Runs ``meanwhile`` once, just before the first claim of a destroy."""
+
+    def __init__(self, url: str, meanwhile: Callable[[Store], Any]) -> None:
+        super().__init__(url)
+        self.meanwhile: Callable[[Store], Any] | None = meanwhile
+
+    def transition(self, lease_id: str, expected: Any, to: LeaseState, reason: str,
+                   task_id: str | None = None, **values: Any) -> Any:
+        if to == LeaseState.DESTROYING and self.meanwhile is not None:
+            act, self.meanwhile = self.meanwhile, None
+            act(self)
+        return super().transition(lease_id, expected, to, reason, task_id, **values)
+
+
+def racing(rt: Runtime, meanwhile: Callable[[Store], Any]) -> Runtime:
+    return Runtime(settings=rt.settings, store=RacingStore(rt.store.url, meanwhile),
+                   _providers=rt._providers)
+
+
+def finished_run(rt: Runtime) -> str:
+    lease_id = acquire_lease(rt, "run-1", SandboxSpec(), None, False).lease_id
+    finish(rt, "run-1", RunStatus.COMPLETED, 0, None)
+    return lease_id
+
+
+def test_lease_abandoned_between_read_and_claim_is_destroy_failed(rt: Runtime) -> None:
+    lease_id = finished_run(rt)
+
+    def abandon(store: Store) -> None:  # an operator's or a sweep's change, just in time
+        store.transition(lease_id, {LeaseState.ACTIVE}, LeaseState.ABANDONED, "as if",
+                         last_error="gave up")
+
+    with pytest.raises(SandboxReclaimFailedError, match="abandoned") as err:
+        reclaim_run(racing(rt, abandon), "run-1", None)
+    assert (err.value.run_id, err.value.lease_id) == ("run-1", lease_id)
+    assert f"leasekeeper leases retry {lease_id}" in str(err.value)
+    assert rt.store.get_run("run-1").reclaim_outcome == ReclaimOutcome.DESTROY_FAILED
+
+
+def test_lease_destroyed_by_another_task_between_read_and_claim_is_destroyed(
+    rt: Runtime,
+) -> None:
+    lease_id = finished_run(rt)
+    done = reclaim_run(racing(rt, lambda _store: destroy_lease(rt, lease_id, "other", None)),
+                       "run-1", None)
+    assert done.outcome == ReclaimOutcome.DESTROYED and "another task" in done.detail
+    assert rt.provider("local").list_managed() == []
+
+
+def test_abandonment_settles_the_runs_on_the_lease(rt: Runtime) -> None:
+    spec = SandboxSpec(thread_id="th", reuse=True, provider="faulty")
+    lease_id = acquire_lease(rt, "run-1", spec, None, False).lease_id
+    acquire_lease(rt, "run-2", spec, None, False)
+    finish(rt, "run-2", RunStatus.INTERRUPTED, None, None)
+    from providers.faulty import FaultPlan
+
+    assert rt.settings.faults_file is not None
+    FaultPlan(rt.settings.faults_file).write({"destroy": [{"fault": "terminal", "times": 3}]})
+    for _ in range(rt.settings.cleanup_max_attempts):
+        destroy_lease(rt, lease_id, "x", None)
+    assert rt.store.get_lease(lease_id).state == LeaseState.ABANDONED
+    for run_id in ("run-1", "run-2"):
+        run = rt.store.get_run(run_id)
+        assert run.status == RunStatus.ABORTED and run.error == f"its lease {lease_id} ended: x"
+    FaultPlan(rt.settings.faults_file).write({})

@@ -1,0 +1,162 @@
+"""A realistic lease history on PostgreSQL, bulk-loaded with generate_series, and the sweep
+reads it makes due: for the EXPLAIN test (tests/store/test_sweep_plans.py) and
+bench/sweeps.py.
+
+Of every 1,000 leases: 980 destroyed (their runs completed and reclaimed), 10 active (runs
+running), 3 provisioning, 3 pending_cleanup, 2 destroying, 2 abandoned (runs failed). Rows
+are created one second apart up to ``NOW``. What a sweep finds due does not grow with the
+history (the sweeps keep up): about 30 rows per sweep in any history of 15,000 rows or more
+(fewer below), the rest of each state not due yet. No lease events are loaded: no sweep
+reads them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta
+
+from sqlalchemy import Connection, Engine, select, text, tuple_
+from sqlalchemy.orm import Session
+
+from models.schema import Lease, LeaseState
+from models.store import Store
+from models.sweep_store import Orphan, SweepStore
+
+NOW = datetime(2026, 6, 1, 12, 0, 0)
+DETACH_TTL = timedelta(minutes=30)
+
+_LEASES = """
+INSERT INTO leases (lease_id, sandbox_key, live_key, provider, provider_lease_id, backend,
+    provider_meta, state, reuse, tenant, thread_id, run_id, spec, created_at, updated_at,
+    ready_at, acquire_deadline_at, deadline_at, idle_timeout_s, idle_deadline_at,
+    cleanup_attempts, next_cleanup_at, end_reason, last_error, version)
+SELECT 'l' || lpad(i::text, 10, '0'), 'key-' || i,
+    CASE WHEN st IN ('active', 'provisioning') THEN 'key-' || i END,
+    'noop', 'lk-l' || lpad(i::text, 10, '0'), 'none', '{}', st, false, 'default',
+    't-' || (i % 5000), 'r' || lpad(i::text, 10, '0'), '{}', created,
+    CASE st WHEN 'destroying' THEN (CASE WHEN k < 15 THEN :now - interval '1 hour'
+                                         ELSE :now - interval '10 seconds' END)
+            ELSE created + interval '60 seconds' END,
+    created + interval '1 second',
+    CASE WHEN st = 'provisioning' THEN (CASE WHEN k < 10 THEN :now - interval '1 hour'
+                                             ELSE :now + interval '100 seconds' END)
+         ELSE created + interval '120 seconds' END,
+    CASE WHEN st = 'active' THEN (CASE WHEN k < 3 THEN :now - interval '1 minute'
+                                       ELSE :now + interval '1 hour' END)
+         ELSE created + interval '1 hour' END,
+    900,
+    CASE WHEN st = 'active' THEN :now + interval '10 minutes' END,
+    CASE WHEN st = 'abandoned' THEN 5 ELSE 0 END,
+    CASE WHEN st = 'pending_cleanup' THEN (CASE WHEN k < 10 THEN :now - interval '1 minute'
+                                                ELSE :now + interval '5 minutes' END) END,
+    CASE WHEN st IN ('destroyed', 'abandoned', 'pending_cleanup') THEN 'requested' END,
+    CASE WHEN st = 'abandoned' THEN 'injected' END, 3
+FROM (SELECT i, i / 1000 AS k, :now - make_interval(secs => :n - i) AS created,
+             CASE WHEN i % 1000 < 980 THEN 'destroyed'
+                  WHEN i % 1000 < 990 THEN 'active'
+                  WHEN i % 1000 < 993 THEN 'provisioning'
+                  WHEN i % 1000 < 996 THEN 'pending_cleanup'
+                  WHEN i % 1000 < 998 THEN 'destroying'
+                  ELSE 'abandoned' END AS st
+      FROM generate_series(1, :n) AS i) AS g
+"""
+
+_RUNS = """
+INSERT INTO runs (run_id, thread_id, status, exit_code, provider, sandbox_key, lease_id,
+    started_at, finished_at, detached_since, cancel_requested, error, reclaim_due,
+    reclaim_claimed_until, reclaim_outcome, reclaimed_at)
+SELECT l.run_id, l.thread_id,
+    CASE WHEN l.state IN ('active', 'provisioning') THEN 'running'
+         WHEN l.state = 'destroyed' THEN 'completed' ELSE 'failed' END,
+    CASE WHEN l.state = 'destroyed' THEN 0 WHEN l.state IN ('active', 'provisioning')
+         THEN NULL ELSE 1 END,
+    l.provider, l.sandbox_key, l.lease_id, l.created_at,
+    CASE WHEN l.state NOT IN ('active', 'provisioning') THEN l.created_at + interval '1 minute'
+         END,
+    CASE WHEN r.b IN (980, 981, 982) AND r.k < 10 THEN :now - interval '1 hour'
+         WHEN r.b = 983 THEN :now - interval '10 seconds' END,
+    false, NULL, l.state NOT IN ('active', 'provisioning'),
+    CASE WHEN l.state IN ('pending_cleanup', 'destroying') AND r.k >= 6
+         THEN :now + interval '5 minutes' END,
+    CASE WHEN l.state = 'destroyed' THEN 'destroyed' WHEN l.state = 'abandoned'
+         THEN 'destroy-failed' END,
+    CASE WHEN l.state IN ('destroyed', 'abandoned') THEN l.updated_at END
+FROM leases AS l
+JOIN (SELECT 'l' || lpad(i::text, 10, '0') AS lease_id, i % 1000 AS b, i / 1000 AS k
+      FROM generate_series(1, :n) AS i) AS r ON r.lease_id = l.lease_id
+"""
+
+
+def load_history(engine: Engine, rows: int) -> None:
+    """Load ``rows`` leases and their runs into an empty, migrated PostgreSQL store, then
+    VACUUM ANALYZE so the planner knows the real distribution."""
+    params = {"now": NOW, "n": rows}
+    with engine.begin() as conn:
+        conn.execute(text(_LEASES), params)
+        conn.execute(text(_RUNS), params)
+    with engine.connect() as plain:
+        conn = plain.execution_options(isolation_level="AUTOCOMMIT")
+        conn.exec_driver_sql("VACUUM ANALYZE leases")
+        conn.exec_driver_sql("VACUUM ANALYZE runs")
+
+
+class RolledBackStore(Store):
+    """A store whose every transaction is a savepoint inside ``conn``'s open transaction,
+    so a benchmark or a plan check can claim rows and roll it all back afterwards."""
+
+    def __init__(self, url: str, conn: Connection) -> None:
+        super().__init__(url)
+        self.conn = conn
+
+    @contextlib.contextmanager
+    def tx(self) -> Iterator[Session]:
+        with Session(bind=self.conn, join_transaction_mode="create_savepoint",
+                     expire_on_commit=False) as session, session.begin():
+            yield session
+
+
+def _orphans(sweeps: SweepStore) -> object:
+    listed = [f"lk-l{i:010d}" for i in range(1, 101)]  # names a provider listed
+    index = sweeps.leases_for("noop", [*listed, "lk-unknown"], ["l0000000001"])
+    orphan = Orphan("noop", "lk-unknown", "none", None, {}, "default", "orphan (bench)")
+    return index, sweeps.record_orphan(orphan, NOW, 300, None)
+
+
+# Each sweep's read followed by its claim of what it read, as one tick does it.
+SWEEP_READS_AND_CLAIMS: dict[str, Callable[[SweepStore], object]] = {
+    "reap_runs.detached": lambda s: s.claim_detached_runs(
+        s.due_detached_runs(NOW - DETACH_TTL, 25), NOW - DETACH_TTL, 300),
+    "reap_runs.lost_reclaims": lambda s: s.claim_reclaims(s.due_reclaims(NOW, 25), NOW, 300),
+    "expire_leases": lambda s: s.claim_expiries(
+        [due.lease_id for due in s.due_expiries(NOW, 25)], NOW, 300, None),
+    "retry_cleanup.stale_destroys": lambda s: s.recover_stale_destroys(
+        s.due_stale_destroys(NOW, 20, 300), NOW, 300, 5, None),
+    "retry_cleanup.cleanups": lambda s: s.claim_cleanups(s.due_cleanups(NOW, 20), NOW, 300),
+    "retry_cleanup.abandoned_total": lambda s: s.count_in_state(LeaseState.ABANDONED),
+    "stuck_provisioning": lambda s: s.claim_stuck(
+        [lease.lease_id for lease in s.due_stuck(NOW, 25)], NOW, 300),
+    "orphans": _orphans,
+}
+
+
+def list_page(store: Store, state: str | None = None,
+              before: tuple[datetime, str] | None = None, limit: int = 50) -> list[Lease]:
+    """One page of a lease listing, newest first, after the keyset cursor ``before``."""
+    query = select(Lease).order_by(Lease.created_at.desc(), Lease.lease_id.desc()).limit(limit)
+    if state is not None:
+        query = query.where(Lease.state == state)
+    if before is not None:
+        query = query.where(tuple_(Lease.created_at, Lease.lease_id) < tuple_(*before))
+    with store.tx() as s:
+        return list(s.scalars(query))
+
+
+def listings(rows: int) -> dict[str, Callable[[Store], object]]:
+    middle = (NOW - timedelta(seconds=rows // 2), f"l{rows // 2:010d}")
+    return {
+        "leases_list.first_page": list_page,
+        "leases_list.page_mid_history": lambda st: list_page(st, before=middle),
+        "leases_list.abandoned_first_page": lambda st: list_page(st, LeaseState.ABANDONED),
+        "leases_list.active_first_page": lambda st: list_page(st, LeaseState.ACTIVE),
+    }

@@ -1,0 +1,78 @@
+"""tasks/redaction.py on its own: the shapes a secret can take in text Celery logs (reprs
+of JSON bodies, headers holding reprs, JSON inside JSON), and the bounds on every record.
+The same code runs in the real worker in tests/contract/."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import uuid
+
+import pytest
+
+from tasks.redaction import (
+    LOG_MAX_CHARS,
+    RedactingFilter,
+    bounded_repr,
+    redact,
+    remember,
+    scrub_exception,
+    scrub_text,
+)
+
+CORE = uuid.uuid4().hex
+SECRET = f"tok-{CORE}'\"}}{{\\"  # quotes, braces and a backslash
+SPEC = {"secret_env": {"API_TOKEN": SECRET}, "env": {"VISIBLE": "yes"}}
+BODY = json.dumps([[], {"run_id": "r-1", "spec": SPEC}, {}]).encode()
+
+
+@pytest.mark.parametrize("text", [
+    repr(BODY),  # Celery's dump of an unknown task's body
+    repr({"kwargsrepr": repr({"spec": SPEC})}),  # headers holding a client's repr
+    json.dumps({"outer": json.dumps(SPEC)}),  # JSON inside JSON
+    repr(SPEC),
+    f"secret_env={SECRET} and more",
+], ids=["bytes-repr-of-json", "repr-of-repr", "json-in-json", "repr", "key=value"])
+def test_a_secret_env_value_is_withheld_in_any_shape(text: str) -> None:
+    assert CORE in text
+    scrubbed = scrub_text(text)
+    assert CORE not in scrubbed and "secret_env" in scrubbed
+
+
+def test_already_redacted_reprs_and_other_lines_are_left_alone() -> None:
+    shown = bounded_repr({"run_id": "r-1", "spec": SPEC})
+    assert CORE not in shown and "'API_TOKEN': '***'" in shown and "'VISIBLE': 'yes'" in shown
+    text = f"received {shown}\nnext line stays"
+    assert scrub_text(text) == text
+
+
+def test_redact_handles_secret_env_of_any_type_and_in_lists() -> None:
+    assert redact([{"secret_env": "a-string"}]) == [{"secret_env": "***"}]
+    assert redact({"secret_env": [["K", "v"]]}) == {"secret_env": "***"}
+    assert redact({"spec": {"secret_env": {"K": "v"}}}) == {"spec": {"secret_env": {"K": "***"}}}
+
+
+def test_a_known_secret_value_is_scrubbed_from_any_text_and_exception() -> None:
+    value = f"known-{uuid.uuid4().hex}"
+    remember([value, "short"])
+    assert scrub_text(f"provider said {value}!") == "provider said ***!"
+    assert scrub_text("a short word") == "a short word"  # too short to search for
+    exc = RuntimeError(f"boom: {value}")
+    scrub_exception(exc)
+    assert str(exc) == "boom: ***" and isinstance(exc, RuntimeError)
+
+
+def test_the_filter_redacts_and_bounds_message_data_and_traceback() -> None:
+    try:
+        raise KeyError(f"task {BODY!r}")
+    except KeyError:
+        exc_info = sys.exc_info()
+    record = logging.LogRecord("celery.worker.consumer.consumer", logging.ERROR, __file__, 1,
+                               "body: %s\n%s", (repr(BODY), "x" * 10 * LOG_MAX_CHARS), exc_info)
+    record.data = {"kwargs": repr({"spec": SPEC})}
+    assert RedactingFilter().filter(record)
+    line = logging.Formatter().format(record)
+    assert CORE not in line and CORE not in json.dumps(record.data)
+    assert "more characters cut" in record.getMessage()
+    assert len(record.getMessage()) < 2 * LOG_MAX_CHARS
