@@ -154,7 +154,15 @@ def test_operator_finds_a_lease_reads_its_history_and_retries_an_abandoned_one(
     assert all((shots / name).stat().st_size > 0 for name in (
         "1-leases.png", "2-lease.png", "3-attention.png", "4-confirm.png", "5-retried.png",
         "6-sweeps.png"))
-    producer.destroy_lease(lease_id).get(60)
+
+    # Destroy the producer's lease from its page: lease.destroy, as `destroy_lease` sends it.
+    browser.get(f"{base}/leases/{lease_id}")
+    browser.find_element(By.ID, "action-destroy").click()
+    browser.find_element(By.ID, "confirm").click()
+    assert browser.find_element(By.ID, "done").text.startswith("lease.destroy sent (task ")
+    eventually(lambda: store.get_lease(lease_id).state == LeaseState.DESTROYED, 60,
+               "the console's destroy")
+    assert "destroy: operator ops (console)" in [e.reason for e in store.events(lease_id)]
 
 
 def test_console_refuses_to_start_without_basic_auth(own_stack: WorkerStack) -> None:
