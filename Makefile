@@ -41,6 +41,7 @@ bench: $(STAMP) system-deps kube-binaries
 	$(PY) bench/scaleout.py
 	$(PY) bench/kube_ops.py
 	$(PY) bench/redelivery.py
+	$(PY) bench/observe_queries.py
 
 clean:
 	rm -rf $(VENV) .var

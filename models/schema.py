@@ -129,6 +129,11 @@ class Lease(Base):
         Index("ix_leases_destroying_updated", "updated_at", **in_state("destroying")),
         Index("ix_leases_pending_cleanup_created", "created_at", "lease_id",
               **in_state("pending_cleanup")),
+        # The metrics' counts by state x provider x tenant and the console's filtered,
+        # keyset-paginated lists (workers/metrics, workers/console).
+        Index("ix_leases_state_provider_tenant", "state", "provider", "tenant"),
+        Index("ix_leases_state_lease_id", "state", "lease_id"),
+        Index("ix_leases_tenant_lease_id", "tenant", "lease_id"),
     )
 
 
@@ -156,6 +161,7 @@ class Run(Base):
         Index("ix_runs_status_detached", "status", "detached_since"),
         # sweep.reap_runs' lost reclaims: only the runs whose reclaim has no outcome yet.
         Index("ix_runs_reclaim_pending", "finished_at", **where(UNRECLAIMED)),
+        Index("ix_runs_reclaimed_at", "reclaimed_at"),
     )
 
 
@@ -169,3 +175,22 @@ class LeaseEvent(Base):
     to_state: Mapped[str] = mapped_column(String(32))
     reason: Mapped[str] = mapped_column(Text)
     task_id: Mapped[str | None] = mapped_column(String(64))
+
+
+class SweepTick(Base):
+    """One finished beat tick of a sweep, as its summary said (or its failure). Written by
+    the worker's task signals (workers/sweep_ticks.py), trimmed to the newest few per
+    sweep; read by the metrics exporter (tailed by id) and the console."""
+
+    __tablename__ = "sweep_ticks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    sweep: Mapped[str] = mapped_column(String(64))
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    run: Mapped[str] = mapped_column(String(16))  # ran | skipped | failed
+    took_ms: Mapped[int] = mapped_column(Integer, default=0)
+    counts: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    items: Mapped[dict[str, Any]] = mapped_column(default=dict)  # {"items": [...], "error"}
+    task_id: Mapped[str | None] = mapped_column(String(64))
+
+    __table_args__ = (Index("ix_sweep_ticks_sweep_id", "sweep", "id"),)

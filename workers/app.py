@@ -121,3 +121,6 @@ def _fresh_runtime_after_fork(**_: Any) -> None:
     from workers.runtime import set_runtime
 
     set_runtime(None)
+
+
+import workers.sweep_ticks  # noqa: E402, F401  (connects the sweep tick log's task signals)

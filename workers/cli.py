@@ -5,6 +5,8 @@
     leasekeeper reap [--dry-run] [--sweep NAME]     run every sweep once (or show what it would do)
     leasekeeper leases list|show|retry|forget       inspect leases, act on abandoned ones
     leasekeeper check [--json]                      check the store's invariants
+    leasekeeper metrics                             the Prometheus exporter (/metrics)
+    leasekeeper console                             the lease console (web, basic auth)
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from models.schema import LeaseState, utcnow
+from models.schema import utcnow
 from providers.errors import LeasekeeperError
 from workers.settings import get_settings
 
@@ -80,6 +82,8 @@ def up(
                    f"{get_settings().effective_store_url}")
         typer.echo(f"Flower: {backend.flower_url} (basic auth user:password in {creds}; "
                    "set LEASEKEEPER_FLOWER_BASIC_AUTH to choose them)")
+        typer.echo(f"metrics: {backend.metrics_url}; lease console: {backend.console_url} "
+                   "(the same basic auth)")
         typer.echo(f"logs: {backend.logdir}")
         ok = True
         if demo:
@@ -152,9 +156,9 @@ def leases_show(lease_id: str) -> None:
 @leases_cli.command("retry")
 def leases_retry(lease_id: str) -> None:
     """Give an abandoned lease a fresh set of cleanup attempts."""
-    moved = _runtime().store.transition(
-        lease_id, {LeaseState.ABANDONED}, LeaseState.PENDING_CLEANUP,
-        "operator: retry cleanup", cleanup_attempts=0, next_cleanup_at=utcnow())
+    from tasks.operator import retry_abandoned
+
+    moved = retry_abandoned(_runtime().store, lease_id)
     typer.echo("queued for sweep.retry_cleanup" if moved else "only abandoned leases retry")
     raise typer.Exit(0 if moved else 1)
 
@@ -163,9 +167,9 @@ def leases_retry(lease_id: str) -> None:
 def leases_forget(lease_id: str, reason: Annotated[str, typer.Option()] = "by operator") -> None:
     """Mark an abandoned lease destroyed: the operator removed it by hand. (If it is in
     fact still there, sweep.orphans finds it and cleans it up with fresh attempts.)"""
-    moved = _runtime().store.transition(
-        lease_id, {LeaseState.ABANDONED}, LeaseState.DESTROYED,
-        f"operator: forgotten ({reason})", end_reason="forgotten", cleanup_attempts=0)
+    from tasks.operator import forget_abandoned
+
+    moved = forget_abandoned(_runtime().store, lease_id, reason)
     typer.echo("forgotten" if moved else "only abandoned leases can be forgotten")
     raise typer.Exit(0 if moved else 1)
 
@@ -188,6 +192,22 @@ def check(
             typer.echo(violation.describe())
         typer.echo(f"{len(violations)} violation(s)" if violations else "no violations")
     raise typer.Exit(1 if violations else 0)
+
+
+@cli.command()
+def metrics() -> None:
+    """Serve Prometheus metrics on LEASEKEEPER_METRICS_HOST:LEASEKEEPER_METRICS_PORT."""
+    from workers.metrics.server import serve
+
+    serve(get_settings(), typer.echo)
+
+
+@cli.command()
+def console() -> None:
+    """Serve the lease console on LEASEKEEPER_CONSOLE_HOST:LEASEKEEPER_CONSOLE_PORT."""
+    from workers.console.server import serve
+
+    serve(get_settings(), typer.echo)
 
 
 def main() -> None:

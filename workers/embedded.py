@@ -1,5 +1,6 @@
 """The embedded backend `leasekeeper up` runs: Redis (when no broker is configured), the
-store's migrations, a worker, beat and Flower, each a child process it stops by pid."""
+store's migrations, a worker, beat, Flower, the metrics exporter and the lease console,
+each a child process it stops by pid."""
 
 from __future__ import annotations
 
@@ -92,6 +93,8 @@ class Embedded:
     flower_url: str
     flower_auth: str
     logdir: Path
+    metrics_url: str = ""
+    console_url: str = ""
 
 
 @contextlib.contextmanager
@@ -123,6 +126,10 @@ def embedded_backend(settings: Settings, extra_env: dict[str, str]) -> Iterator[
                                       "--address=127.0.0.1"],
                            {**env, "FLOWER_BASIC_AUTH": auth})
         wait_for_port(flower_port, 30, flower)
-        yield Embedded(env, f"http://127.0.0.1:{flower_port}", auth, sup.logdir)
+        flower_url = f"http://127.0.0.1:{flower_port}"
+        from workers.observers import start_observers
+
+        seen = start_observers(sup, settings, env, auth, flower_url)
+        yield Embedded(env, flower_url, auth, sup.logdir, seen.metrics_url, seen.console_url)
     finally:
         sup.stop()

@@ -102,6 +102,23 @@ class Settings(BaseSettings):
     # installations (or test stacks) sharing one Redis each need their own.
     task_queue: str = Field(default="celery", pattern=r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,99}$")
 
+    # The sweep tick log (workers/sweep_ticks.py): newest ticks kept per sweep.
+    sweep_ticks_kept: int = Field(default=200, ge=1, le=100_000)
+
+    # The metrics exporter (`leasekeeper metrics`, workers/metrics/).
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int = Field(default=9808, ge=0, le=65535)
+    metrics_tenant_top_n: int = Field(default=10, ge=0, le=1000)  # the rest is "other"
+    metrics_worker_ping_timeout_s: float = Field(default=1.0, gt=0, le=30)
+    metrics_events_batch_size: int = Field(default=5000, gt=0, le=100_000)
+
+    # The lease console (`leasekeeper console`, workers/console/); basic auth is
+    # LEASEKEEPER_FLOWER_BASIC_AUTH, required.
+    console_host: str = "127.0.0.1"
+    console_port: int = Field(default=9809, ge=0, le=65535)
+    console_page_size: int = Field(default=50, gt=0, le=500)
+    console_flower_url: str = "http://127.0.0.1:5555"  # task links point here
+
     @field_validator("providers", mode="before")
     @classmethod
     def _split_providers(cls, value: object) -> object:

@@ -48,8 +48,9 @@ def test_compose_config_has_the_whole_backend() -> None:
     done = _config()
     assert done.returncode == 0, done.stderr
     services = _services(done.stdout)
-    assert set(services) == {"redis", "postgres", "migrate", "worker", "beat", "flower"}
-    for name in ("worker", "beat", "flower"):
+    assert set(services) == {"redis", "postgres", "migrate", "worker", "beat", "flower",
+                             "metrics", "console"}
+    for name in ("worker", "beat", "flower", "metrics", "console"):
         svc = services[name]
         assert svc["environment"]["LEASEKEEPER_BROKER_URL"] == "redis://redis:6379/0"
         assert svc["environment"]["LEASEKEEPER_STORE_URL"].startswith("postgresql+psycopg://")
@@ -58,6 +59,11 @@ def test_compose_config_has_the_whole_backend() -> None:
     assert services["worker"]["command"][:4] == ["celery", "-A", "workers.app", "worker"]
     assert "-E" in services["worker"]["command"]  # events on, so Flower shows every task
     assert services["beat"]["command"][:4] == ["celery", "-A", "workers.app", "beat"]
+    assert services["metrics"]["command"] == ["leasekeeper", "metrics"]
+    assert services["console"]["command"] == ["leasekeeper", "console"]
+    for name in ("metrics", "console"):  # published on loopback only
+        assert all(str(p.get("host_ip", p) if isinstance(p, dict) else p).startswith("127.0.0.1")
+                   for p in services[name]["ports"]), services[name]["ports"]
 
 
 def test_flower_is_on_loopback_and_never_runs_without_basic_auth() -> None:

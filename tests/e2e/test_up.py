@@ -26,10 +26,15 @@ def test_up_runs_the_demo_and_leaves_nothing_running(tmp_path: Path) -> None:
     assert "demo: every lease reached its expected state" in done.stdout
     assert done.stdout.count("  ok  lease") == 5
     assert "Flower: http://127.0.0.1:" in done.stdout
+    assert re.search(r"metrics: http://127\.0\.0\.1:\d+/metrics; lease console: "
+                     r"http://127\.0\.0\.1:\d+/", done.stdout), done.stdout
     credentials = (tmp_path / "flower-credentials").read_text().strip()
     assert credentials.split(":", 1)[1] not in done.stdout  # the password is not printed
     assert not any((tmp_path / "sandboxes").iterdir())  # every sandbox directory is gone
-    # Every child process is gone: nothing listens on the embedded Redis any more.
+    # Every child process is gone: nothing listens on their ports any more.
     port = int(re.search(r"broker redis://127\.0\.0\.1:(\d+)/", done.stdout).group(1))
-    with pytest.raises(OSError):
-        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    observers = re.search(r"metrics: http://127\.0\.0\.1:(\d+)/metrics; lease console: "
+                          r"http://127\.0\.0\.1:(\d+)/", done.stdout)
+    for listened in (port, *map(int, observers.groups())):  # Redis, exporter, console
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", listened), timeout=1).close()

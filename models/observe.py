@@ -1,0 +1,187 @@
+"""What operators see, read from the store: counts for the metrics exporter, keyset pages
+for the console, the lease event log tailed by id, and the sweep tick log.
+
+Every query here is index-backed (see the indexes in schema.py): counts group on
+``ix_leases_state_provider_tenant`` / ``ix_runs_status`` over the states that matter now (not
+the destroyed / finished history), reclaims are read by ``ix_runs_reclaimed_at``,
+pages walk ``lease_id`` (time-ordered) through the primary key or ``(state, lease_id)`` /
+``(tenant, lease_id)``, the event tail walks the events' primary key. Writes: only
+:meth:`Observe.record_tick` (one row per beat tick, trimmed to the newest few per sweep).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, cast
+
+from sqlalchemy import Table, delete, func, insert, select
+
+from models.schema import (
+    TERMINAL_RUN_STATUSES,
+    Lease,
+    LeaseEvent,
+    LeaseState,
+    Run,
+    RunStatus,
+    SweepTick,
+    utcnow,
+)
+from models.store import Store
+
+_L = cast(Table, Lease.__table__)
+_E = cast(Table, LeaseEvent.__table__)
+_R = cast(Table, Run.__table__)
+_T = cast(Table, SweepTick.__table__)
+
+WAITING_FOR_CLEANUP = (LeaseState.PENDING_CLEANUP, LeaseState.DESTROYING)
+# Every state but destroyed: the leases that matter now, a small slice of the index. The
+# destroyed ones are all history (counted by the exporter's transitions counter).
+NOT_DESTROYED = tuple(s for s in LeaseState if s != LeaseState.DESTROYED)
+UNFINISHED_RUNS = tuple(s for s in RunStatus if s not in TERMINAL_RUN_STATUSES)
+
+
+@dataclass(frozen=True)
+class TailedEvent:
+    """One lease event with what the metrics label it by (from its lease row)."""
+
+    id: int
+    lease_id: str
+    at: datetime
+    from_state: str | None
+    to_state: str
+    provider: str
+    backend: str | None
+    created_at: datetime  # the lease's intent time
+    reason: str
+
+
+@dataclass(frozen=True)
+class LeaseFilter:
+    state: str | None = None
+    provider: str | None = None
+    tenant: str | None = None
+    older_than_s: int | None = None  # created at least this long ago
+
+
+class Observe:
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    # -- counts (the exporter's gauges, the console's header) -----------------------------
+    def lease_counts(self, states: Sequence[str] = NOT_DESTROYED
+                     ) -> list[tuple[str, str, str, int]]:
+        """(state, provider, tenant, count) for every combination present in ``states``."""
+        with self.store.tx() as s:
+            rows = s.execute(select(_L.c.state, _L.c.provider, _L.c.tenant, func.count())
+                             .where(_L.c.state.in_(list(states)))
+                             .group_by(_L.c.state, _L.c.provider, _L.c.tenant))
+            return [(str(a), str(b), str(c), int(n)) for a, b, c, n in rows]
+
+    def counts_by_state(self, states: Sequence[str] = NOT_DESTROYED) -> dict[str, int]:
+        with self.store.tx() as s:
+            rows = s.execute(select(_L.c.state, func.count())
+                             .where(_L.c.state.in_(list(states))).group_by(_L.c.state))
+            return {str(state): int(n) for state, n in rows}
+
+    def oldest_cleanup_wait_since(self) -> datetime | None:
+        """When the longest-waiting lease still waiting for cleanup (pending_cleanup or
+        destroying) first needed it: its earliest ``pending_cleanup`` event."""
+        with self.store.tx() as s:
+            value = s.scalar(
+                select(func.min(_E.c.at)).select_from(_E.join(_L, _L.c.lease_id == _E.c.lease_id))
+                .where(_L.c.state.in_(WAITING_FOR_CLEANUP),
+                       _E.c.to_state == LeaseState.PENDING_CLEANUP))
+        return cast(datetime | None, value)
+
+    def run_counts(self, statuses: Sequence[str] = UNFINISHED_RUNS) -> dict[str, int]:
+        with self.store.tx() as s:
+            rows = s.execute(select(_R.c.status, func.count())
+                             .where(_R.c.status.in_(list(statuses))).group_by(_R.c.status))
+            return {str(status): int(n) for status, n in rows}
+
+    def reclaims_since(self, moment: datetime) -> list[tuple[str, str, datetime]]:
+        """(run_id, outcome, reclaimed_at) of reclaims recorded at or after ``moment``."""
+        with self.store.tx() as s:
+            rows = s.execute(select(_R.c.run_id, _R.c.reclaim_outcome, _R.c.reclaimed_at)
+                             .where(_R.c.reclaimed_at >= moment,
+                                    _R.c.reclaim_outcome.is_not(None))
+                             .order_by(_R.c.reclaimed_at))
+            return [(str(a), str(b), c) for a, b, c in rows]
+
+    # -- the event log, tailed by id --------------------------------------------------
+    def max_event_id(self) -> int:
+        with self.store.tx() as s:
+            return int(s.scalar(select(func.max(_E.c.id))) or 0)
+
+    def events_from(self, first_id: int, limit: int) -> list[TailedEvent]:
+        """Events with ``id >= first_id`` in id order, joined to their lease's labels."""
+        with self.store.tx() as s:
+            rows = s.execute(
+                select(_E.c.id, _E.c.lease_id, _E.c.at, _E.c.from_state, _E.c.to_state,
+                       _L.c.provider, _L.c.backend, _L.c.created_at, _E.c.reason)
+                .select_from(_E.join(_L, _L.c.lease_id == _E.c.lease_id))
+                .where(_E.c.id >= first_id).order_by(_E.c.id).limit(limit))
+            return [TailedEvent(*row) for row in rows]
+
+    def last_entered(self, lease_ids: Sequence[str], state: str, before_id: int
+                     ) -> dict[str, datetime]:
+        """For each lease, when it last entered ``state`` in an event before ``before_id``."""
+        if not lease_ids:
+            return {}
+        with self.store.tx() as s:
+            rows = s.execute(select(_E.c.lease_id, func.max(_E.c.at))
+                             .where(_E.c.lease_id.in_(list(lease_ids)), _E.c.to_state == state,
+                                    _E.c.id < before_id)
+                             .group_by(_E.c.lease_id))
+            return {str(lease_id): at for lease_id, at in rows}
+
+    # -- the sweep tick log -------------------------------------------------------------
+    def record_tick(self, sweep: str, run: str, took_ms: int, counts: dict[str, Any],
+                    items: dict[str, Any], task_id: str | None, keep: int) -> None:
+        with self.store.tx() as s:
+            s.execute(insert(_T).values(sweep=sweep, at=utcnow(), run=run, took_ms=took_ms,
+                                        counts=counts, items=items, task_id=task_id))
+            cutoff = (select(_T.c.id).where(_T.c.sweep == sweep).order_by(_T.c.id.desc())
+                      .offset(keep).limit(1).scalar_subquery())
+            s.execute(delete(_T).where(_T.c.sweep == sweep, _T.c.id <= cutoff))
+
+    def last_ticks(self) -> list[tuple[str, str, datetime]]:
+        """(sweep, run, at) of the newest tick of each sweep and kind of run."""
+        with self.store.tx() as s:
+            rows = s.execute(select(_T.c.sweep, _T.c.run, func.max(_T.c.at))
+                             .group_by(_T.c.sweep, _T.c.run))
+            return [(str(a), str(b), c) for a, b, c in rows]
+
+    def ticks_from(self, first_id: int, limit: int) -> list[SweepTick]:
+        with self.store.tx() as s:
+            return list(s.scalars(select(SweepTick).where(SweepTick.id >= first_id)
+                                  .order_by(SweepTick.id).limit(limit)))
+
+    def max_tick_id(self) -> int:
+        with self.store.tx() as s:
+            return int(s.scalar(select(func.max(_T.c.id))) or 0)
+
+    def recent_ticks(self, sweep: str, limit: int) -> list[SweepTick]:
+        with self.store.tx() as s:
+            return list(s.scalars(select(SweepTick).where(SweepTick.sweep == sweep)
+                                  .order_by(SweepTick.id.desc()).limit(limit)))
+
+    # -- the console's pages --------------------------------------------------------------
+    def lease_page(self, flt: LeaseFilter, before: str | None, limit: int) -> list[Lease]:
+        """Newest first, ``limit`` leases with ``lease_id < before`` (keyset pagination)."""
+        query = select(Lease).order_by(Lease.lease_id.desc()).limit(limit)
+        if flt.state:
+            query = query.where(Lease.state == flt.state)
+        if flt.provider:
+            query = query.where(Lease.provider == flt.provider)
+        if flt.tenant:
+            query = query.where(Lease.tenant == flt.tenant)
+        if flt.older_than_s:
+            query = query.where(
+                Lease.created_at <= utcnow() - timedelta(seconds=flt.older_than_s))
+        if before:
+            query = query.where(Lease.lease_id < before)
+        with self.store.tx() as s:
+            return list(s.scalars(query))

@@ -1,0 +1,241 @@
+"""The exporter's metrics: one prometheus-client Collector that, at each scrape, reads the
+store's counts (gauges), tails the lease event log and the sweep tick log by id (counters
+and histograms), and pings the workers.
+
+Why from the store: every lease transition is one committed row of ``lease_events`` and
+every beat tick one row of ``sweep_ticks``, whichever worker or pool process made it, so
+one reader counts each exactly once with any number of prefork processes and workers, and
+nothing in the task code has to know about metrics. Counters start at zero when the
+exporter starts (Prometheus' ``rate()`` handles the reset); run one exporter per store.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from datetime import datetime
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from models.observe import UNFINISHED_RUNS, Observe, TailedEvent
+from models.schema import LeaseState, ReclaimOutcome, SweepTick, utcnow
+from providers.errors import LeasekeeperError
+from workers.beat import SWEEPS
+from workers.metrics.tail import IdTail, ReclaimTail
+from workers.settings import Settings
+
+log = logging.getLogger("leasekeeper.metrics")
+OTHER_TENANT = "other"
+_DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+# Acquire outcomes, by the state a provisioning lease moved to.
+_ACQUIRE_OUTCOME = {LeaseState.ACTIVE: "active", LeaseState.PENDING_CLEANUP: "failed",
+                    LeaseState.ABANDONED: "failed", LeaseState.DESTROYING: "cancelled"}
+# Destroy outcomes, by the state a destroying lease moved to.
+_DESTROY_OUTCOME = {LeaseState.DESTROYED: "destroyed", LeaseState.PENDING_CLEANUP: "failed",
+                    LeaseState.ABANDONED: "abandoned"}
+
+# A resume check that answered "not resumable" is the lease event active -> pending_cleanup
+# with this reason prefix (the resume check, or a reuse at acquire); its reason, classified.
+NOT_RESUMABLE_PREFIX = "not resumable: "
+REASON_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("gone", ("no longer exists", "never started")),
+    ("exited", ("exited", "is Succeeded", "is Failed", "Finished")),
+    ("terminating", ("terminating",)),
+    ("not_ready", ("did not become Ready",)),
+    ("no_pod", ("no backing pod",)),
+)
+
+Pinger = Callable[[float], int]  # timeout -> number of workers that answered
+
+
+def utc_timestamp(moment: datetime) -> float:
+    return (moment - datetime(1970, 1, 1)).total_seconds()
+
+
+def reason_class(reason: str) -> str:
+    for name, needles in REASON_CLASSES:
+        if any(needle in reason for needle in needles):
+            return name
+    return "other"
+
+
+def rank_tenants(counts: Iterable[tuple[str, str, str, int]], top_n: int) -> set[str]:
+    """The ``top_n`` tenants with the most leases (not destroyed; ties by name)."""
+    totals: dict[str, int] = {}
+    for _state, _provider, tenant, n in counts:
+        totals[tenant] = totals.get(tenant, 0) + n
+    ranked = sorted(totals, key=lambda t: (-totals[t], t))
+    return set(ranked[:top_n])
+
+
+class LeaseCollector(Collector):
+    def __init__(self, observe: Observe, settings: Settings, ping: Pinger) -> None:
+        self.observe, self.settings, self.ping = observe, settings, ping
+        self._lock = threading.Lock()
+        self._events: IdTail | None = None
+        self._ticks: IdTail | None = None
+        self._reclaims = ReclaimTail(utcnow())
+        self.transitions = Counter(
+            "leasekeeper_lease_transitions", "Lease state transitions.",
+            ["from_state", "to_state", "provider"], registry=None)
+        self.acquires = Counter(
+            "leasekeeper_acquires", "Acquires ended, by outcome (active, failed, cancelled).",
+            ["provider", "outcome"], registry=None)
+        self.acquire_duration = Histogram(
+            "leasekeeper_acquire_duration_seconds", "Intent recorded to lease active.",
+            ["provider", "backend"], buckets=_DURATION_BUCKETS_S, registry=None)
+        self.destroys = Counter(
+            "leasekeeper_destroys", "Destroy attempts ended, by outcome.",
+            ["provider", "outcome"], registry=None)
+        self.destroy_duration = Histogram(
+            "leasekeeper_destroy_duration_seconds", "Destroy claimed to its outcome.",
+            ["provider", "backend", "outcome"], buckets=_DURATION_BUCKETS_S, registry=None)
+        self.orphans = Counter(
+            "leasekeeper_orphans_recorded", "Provider resources no lease accounted for, "
+            "recorded by sweep.orphans.", ["provider"], registry=None)
+        self.not_resumable = Counter(
+            "leasekeeper_not_resumable", "Resume checks that answered not resumable, by "
+            "reason class (gone, exited, terminating, not_ready, no_pod, other).",
+            ["provider", "reason_class"], registry=None)
+        self.reclaims = Counter("leasekeeper_run_reclaims", "Reclaims recorded, by outcome.",
+                                ["outcome"], registry=None)
+        for reclaim_outcome in ReclaimOutcome:
+            self.reclaims.labels(reclaim_outcome.value)
+        self.ticks = Counter("leasekeeper_sweep_ticks", "Beat ticks of each sweep by run.",
+                             ["sweep", "run"], registry=None)
+        self.tick_outcomes = Counter(
+            "leasekeeper_sweep_outcomes", "Items each sweep handled, by outcome.",
+            ["sweep", "outcome"], registry=None)
+        self.tick_duration = Histogram(
+            "leasekeeper_sweep_tick_duration_seconds", "Duration of ticks that ran.",
+            ["sweep"], buckets=_DURATION_BUCKETS_S, registry=None)
+        # Known label sets start at 0, so the first increment is an increase() too.
+        for provider in settings.providers:
+            self.orphans.labels(provider)
+            for outcome in sorted(set(_ACQUIRE_OUTCOME.values())):
+                self.acquires.labels(provider, outcome)
+            for outcome in sorted(set(_DESTROY_OUTCOME.values())):
+                self.destroys.labels(provider, outcome)
+        self._derived = [self.transitions, self.acquires, self.acquire_duration,
+                         self.destroys, self.destroy_duration, self.orphans,
+                         self.not_resumable, self.reclaims, self.ticks, self.tick_outcomes,
+                         self.tick_duration]
+
+    # -- scrape -----------------------------------------------------------------------
+    def collect(self) -> Iterable[Metric]:
+        with self._lock:
+            store_up = GaugeMetricFamily("leasekeeper_store_up",
+                                         "1 if the exporter could read the store.")
+            try:
+                gauges = list(self._store_gauges())
+                self._tail()
+                store_up.add_metric([], 1)
+            except LeasekeeperError as exc:
+                log.warning("metrics: store unreadable: %s", exc)
+                gauges = []
+                store_up.add_metric([], 0)
+            yield store_up
+            yield from gauges
+            workers = GaugeMetricFamily("leasekeeper_workers_up",
+                                        "Workers that answered a ping at this scrape.")
+            workers.add_metric([], self.ping(self.settings.metrics_worker_ping_timeout_s))
+            yield workers
+            intervals = GaugeMetricFamily("leasekeeper_sweep_interval_seconds",
+                                          "Each sweep's beat interval.", labels=["sweep"])
+            for sweep, field_name in SWEEPS.items():
+                intervals.add_metric([sweep], float(getattr(self.settings, field_name)))
+            yield intervals
+            for metric in self._derived:
+                yield from metric.collect()
+
+    def _store_gauges(self) -> Iterable[Metric]:
+        counts = self.observe.lease_counts()
+        top = rank_tenants(counts, self.settings.metrics_tenant_top_n)
+        leases: dict[tuple[str, str, str], int] = {}
+        abandoned = 0
+        for state, provider, tenant, n in counts:
+            key = (state, provider, tenant if tenant in top else OTHER_TENANT)
+            leases[key] = leases.get(key, 0) + n
+            abandoned += n if state == LeaseState.ABANDONED else 0
+        family = GaugeMetricFamily(
+            "leasekeeper_leases", "Leases not destroyed, by state, provider and tenant (the "
+            "top LEASEKEEPER_METRICS_TENANT_TOP_N tenants; the rest as 'other').",
+            labels=["state", "provider", "tenant"])
+        for (state, provider, tenant), n in sorted(leases.items()):
+            family.add_metric([state, provider, tenant], n)
+        yield family
+        yield GaugeMetricFamily("leasekeeper_leases_abandoned",
+                                "Leases waiting for an operator.", value=abandoned)
+        since = self.observe.oldest_cleanup_wait_since()
+        yield GaugeMetricFamily(
+            "leasekeeper_cleanup_oldest_wait_seconds", "How long the longest-waiting lease "
+            "in pending_cleanup or destroying has needed cleanup (0: none).",
+            value=max((utcnow() - since).total_seconds(), 0.0) if since else 0.0)
+        runs = GaugeMetricFamily("leasekeeper_runs", "Runs not finished, by status "
+                                 "(running, interrupted).", labels=["status"])
+        counted = self.observe.run_counts()
+        for status in UNFINISHED_RUNS:
+            runs.add_metric([status], counted.get(status, 0))
+        yield runs
+        last = GaugeMetricFamily("leasekeeper_sweep_last_tick_timestamp_seconds",
+                                 "When each sweep last ticked, by run (ran, skipped, failed).",
+                                 labels=["sweep", "run"])
+        for sweep, run, at in sorted(self.observe.last_ticks()):
+            last.add_metric([sweep, run], utc_timestamp(at))
+        yield last
+
+    # -- the logs, tailed ------------------------------------------------------------
+    def _tail(self) -> None:
+        if self._events is None or self._ticks is None:  # count from the exporter's start
+            self._events = IdTail(self.observe.max_event_id() + 1)
+            self._ticks = IdTail(self.observe.max_tick_id() + 1)
+            self._reclaims = ReclaimTail(utcnow())
+        limit = self.settings.metrics_events_batch_size
+        self._count_events(self._events.poll(self.observe.events_from, limit))
+        for tick in self._ticks.poll(self.observe.ticks_from, limit):
+            self._count_tick(tick)
+        for outcome in self._reclaims.poll(self.observe.reclaims_since):
+            self.reclaims.labels(outcome).inc()
+
+    def _count_events(self, events: list[TailedEvent]) -> None:
+        # When each destroyed lease's destroy was claimed: before this batch from the
+        # store, then as the batch goes.
+        claimed_at = self.observe.last_entered(
+            sorted({e.lease_id for e in events if e.from_state == LeaseState.DESTROYING}),
+            LeaseState.DESTROYING, min((e.id for e in events), default=0))
+        for e in events:
+            self.transitions.labels(e.from_state or "none", e.to_state, e.provider).inc()
+            backend = e.backend or ""
+            if e.to_state == LeaseState.DESTROYING:
+                claimed_at[e.lease_id] = e.at
+            if (e.from_state == LeaseState.ACTIVE and e.to_state == LeaseState.PENDING_CLEANUP
+                    and e.reason.startswith(NOT_RESUMABLE_PREFIX)):
+                self.not_resumable.labels(e.provider, reason_class(e.reason)).inc()
+            if e.from_state is None and e.to_state == LeaseState.PENDING_CLEANUP:
+                self.orphans.labels(e.provider).inc()
+            if e.from_state == LeaseState.PROVISIONING and e.to_state in _ACQUIRE_OUTCOME:
+                outcome = _ACQUIRE_OUTCOME[LeaseState(e.to_state)]
+                self.acquires.labels(e.provider, outcome).inc()
+                if outcome == "active":
+                    self.acquire_duration.labels(e.provider, backend).observe(
+                        max((e.at - e.created_at).total_seconds(), 0.0))
+            if e.from_state == LeaseState.DESTROYING and e.to_state in _DESTROY_OUTCOME:
+                outcome = _DESTROY_OUTCOME[LeaseState(e.to_state)]
+                self.destroys.labels(e.provider, outcome).inc()
+                start = claimed_at.get(e.lease_id)
+                if start is not None:
+                    self.destroy_duration.labels(e.provider, backend, outcome).observe(
+                        max((e.at - start).total_seconds(), 0.0))
+
+    def _count_tick(self, tick: SweepTick) -> None:
+        self.ticks.labels(tick.sweep, tick.run).inc()
+        if tick.run != "ran":
+            return
+        self.tick_duration.labels(tick.sweep).observe(tick.took_ms / 1000)
+        for outcome, n in (tick.counts or {}).items():
+            # *_total entries of a summary are gauges (e.g. abandoned_total), not events.
+            if isinstance(n, int) and not outcome.endswith("_total"):
+                self.tick_outcomes.labels(tick.sweep, outcome).inc(n)
