@@ -452,17 +452,20 @@ class KubernetesProvider:
         name = handle.name
         failures: list[PartFailure] = []
         deleted = 0
-        try:
-            deleted += self._destroy_workload(api, backend, name, handle.meta.get("uid"))
-        except ProviderError as exc:
-            failures.append(PartFailure("workload", exc))
-        # Explicitly, as the seed does: a Job (or Sandbox) in Foreground deletion keeps its
-        # pods running for as long as the garbage collector is slow or stuck.
+        # The pods are deleted explicitly, as the seed does: a Job (or Sandbox) in Foreground
+        # deletion keeps its pods running for as long as the garbage collector is slow or
+        # stuck. Listed first, so the ones there are deleted even if the GC is quick to
+        # start on them (404 is done); one made after the list is left to the GC, and to
+        # sweep.orphans if that is stuck.
         try:
             pods = api.list_pods(self._parts_selector(name))
         except ProviderError as exc:
             failures.append(PartFailure("pod", exc))
             pods = []
+        try:
+            deleted += self._destroy_workload(api, backend, name, handle.meta.get("uid"))
+        except ProviderError as exc:
+            failures.append(PartFailure("workload", exc))
         for pod in pods:
             try:
                 deleted += self._delete_verified(
