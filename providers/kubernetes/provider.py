@@ -125,6 +125,13 @@ class _Workload:
 
 
 @dataclass(frozen=True)
+class _SecretTarget:
+    name: str
+    uid: str
+    recorded: bool  # the uid acquire recorded (it may have been replaced since)
+
+
+@dataclass(frozen=True)
 class _PodLookup:
     pod: Obj | None
     missing_name: str | None = None  # the named pod the Sandbox points at, which is gone
@@ -452,16 +459,26 @@ class KubernetesProvider:
         name = handle.name
         failures: list[PartFailure] = []
         deleted = 0
+        # What to delete besides the workload is settled first, while the workload still
+        # holds its dependents: the garbage collector, quick to start on them once it goes,
+        # cannot turn a delete into a read that finds nothing (and a 404 is done anyway).
         # The pods are deleted explicitly, as the seed does: a Job (or Sandbox) in Foreground
-        # deletion keeps its pods running for as long as the garbage collector is slow or
-        # stuck. Listed first, so the ones there are deleted even if the GC is quick to
-        # start on them (404 is done); one made after the list is left to the GC, and to
-        # sweep.orphans if that is stuck.
+        # deletion keeps its pods running for as long as the GC is slow or stuck. One made
+        # after the list is left to the GC, and to sweep.orphans if that is stuck.
         try:
             pods = api.list_pods(self._parts_selector(name))
         except ProviderError as exc:
             failures.append(PartFailure("pod", exc))
             pods = []
+        # A recorded secret_name of None means "the Secret under that name is not ours".
+        secret = handle.meta["secret_name"] if "secret_name" in handle.meta else secret_name(name)
+        target: _SecretTarget | None = None
+        if secret:
+            try:
+                target = self._secret_target(api, str(secret), name,
+                                             handle.meta.get("secret_uid"))
+            except ProviderError as exc:
+                failures.append(PartFailure("secret", exc))
         try:
             deleted += self._destroy_workload(api, backend, name, handle.meta.get("uid"))
         except ProviderError as exc:
@@ -472,12 +489,9 @@ class KubernetesProvider:
                     pod, name, lambda p: api.delete_pod(name_of(p), uid_of(p)))
             except ProviderError as exc:
                 failures.append(PartFailure("pod", exc))
-        # A recorded secret_name of None means "the Secret under that name is not ours".
-        secret = handle.meta["secret_name"] if "secret_name" in handle.meta else secret_name(name)
-        if secret:
+        if target is not None:
             try:
-                deleted += self._destroy_secret(api, str(secret), name,
-                                                handle.meta.get("secret_uid"))
+                deleted += self._destroy_secret(api, name, target)
             except ProviderError as exc:
                 failures.append(PartFailure("secret", exc))
         if failures:
@@ -508,21 +522,36 @@ class KubernetesProvider:
         except KubeNotFound:
             return 0
 
-    def _destroy_secret(self, api: KubeApi, secret: str, name: str, uid: object) -> int:
-        """1 if the Secret was deleted: by its recorded uid, else (or when the name now
-        holds another Secret) only if its labels say it is ours."""
+    def _secret_target(self, api: KubeApi, secret: str, name: str,
+                       uid: object) -> _SecretTarget | None:
+        """The Secret to delete: by the uid acquire recorded (no request), else the one
+        there now if its labels say it is ours (None if it is not, or is gone)."""
         if uid:
-            try:
-                api.delete_secret(secret, str(uid))
-                return 1
-            except KubeNotFound:
-                return 0
-            except ProviderConflict:
-                pass  # replaced since acquire recorded it: look at the one there now
+            return _SecretTarget(secret, str(uid), recorded=True)
         try:
             current = api.get_secret_metadata(secret)
+        except KubeNotFound:
+            return None
+        found = uid_of(current)
+        if not self._ours(current, name) or found is None:
+            return None
+        return _SecretTarget(secret, found, recorded=False)
+
+    def _destroy_secret(self, api: KubeApi, name: str, target: _SecretTarget) -> int:
+        """1 if the Secret was deleted. If the recorded one was replaced since (409), the
+        one there now is deleted only if it is ours."""
+        try:
+            api.delete_secret(target.name, target.uid)
+            return 1
+        except KubeNotFound:
+            return 0
+        except ProviderConflict:
+            if not target.recorded:
+                raise
+        try:
+            current = api.get_secret_metadata(target.name)
             return self._delete_verified(
-                current, name, lambda s: api.delete_secret(secret, uid_of(s)))
+                current, name, lambda s: api.delete_secret(target.name, uid_of(s)))
         except KubeNotFound:
             return 0
 
