@@ -86,6 +86,9 @@ class ManagedResource:
     # process's exit sentinel). None while it runs, or when the provider cannot tell:
     # unknown is never taken for finished.
     exit_code: int | None = None
+    # It ended without an exit code of its own, stopped for this reason (a Job killed by
+    # its active deadline: "DeadlineExceeded"). None unless the provider is sure of it.
+    exit_reason: str | None = None
 
 
 @runtime_checkable

@@ -3,14 +3,18 @@
 Every enabled provider lists what it manages; a resource whose ``exit_code`` is known
 (a local process's exit sentinel, a finished Kubernetes Job) finishes the still-running
 run bound to its lease: ``completed`` for exit code 0, ``failed`` otherwise, the exit code
-recorded. It goes through run.finish's own code path (``tasks.runs.finish``), so the
-reclaim is enqueued exactly when run.finish would enqueue it. Unknown (``exit_code`` None)
-is never taken for finished. The guarded finish is the claim: of two overlapping ticks,
+recorded. A resource the provider reports as stopped before its command exited
+(``exit_reason``, e.g. a Job killed by its active deadline: ``DeadlineExceeded``) finishes
+its run as ``failed`` with that reason and no exit code. It goes through run.finish's own
+code path (``tasks.runs.finish``), so the reclaim is enqueued exactly when run.finish
+would enqueue it. Unknown (no ``exit_code`` and no ``exit_reason``) is never taken for
+finished. The guarded finish is the claim: of two overlapping ticks,
 only one changes the run and enqueues its reclaim.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
 
 from models.schema import LeaseState, RunStatus
@@ -25,7 +29,7 @@ NAME = "sweep.finish_exited"
 
 class ExitedOutcome(StrEnum):
     COMPLETED = "completed"  # exit code 0: the run was finished as completed
-    FAILED = "failed"  # non-zero exit code: the run was finished as failed
+    FAILED = "failed"  # non-zero exit code, or stopped (exit_reason): finished as failed
     RECLAIMS_ENQUEUED = "reclaims_enqueued"  # sandbox.reclaim sent for a finished run
     ALREADY_FINISHED = "already_finished"  # another finish won the guarded update
     NOT_YET_ACTIVE = "not_yet_active"  # the lease is still provisioning: next tick
@@ -33,20 +37,41 @@ class ExitedOutcome(StrEnum):
     LIST_FAILED = "list_failed"  # a provider could not list its resources: next tick
 
 
+@dataclass(frozen=True)
+class _Exit:
+    provider: str
+    code: int | None  # None: stopped before its command exited, for ``reason``
+    reason: str | None
+
+    @property
+    def detail(self) -> str:
+        return f"exit code {self.code}" if self.code is not None else f"{self.reason}, no exit code"
+
+    @property
+    def error(self) -> str | None:
+        if self.code is None:
+            return (f"the sandbox was stopped before its command exited ({self.reason}); "
+                    "no exit code")
+        return None if self.code == 0 else f"the sandbox command exited with code {self.code}"
+
+
 def finish_exited(ctx: SweepContext) -> Tally:
     rt, tally = ctx.rt, Tally(ExitedOutcome)
-    exited: dict[str, tuple[str, int]] = {}  # lease id → (provider, exit code)
+    exited: dict[str, _Exit] = {}  # lease id → how its sandbox ended
     for listing in list_providers(rt):
         if listing.error is not None:
             tally.add(ExitedOutcome.LIST_FAILED, listing.provider, listing.error)
             continue
         for resource in listing.resources:
-            if resource.exit_code is not None and resource.lease_id:
-                exited[resource.lease_id] = (listing.provider, resource.exit_code)
+            if not resource.lease_id:
+                continue
+            if resource.exit_code is not None or resource.exit_reason:
+                exited[resource.lease_id] = _Exit(listing.provider, resource.exit_code,
+                                                  resource.exit_reason)
     budget = rt.settings.sweep_batch_size
     for lease, run in rt.store.unfinished_runs_on_leases(list(exited)):
-        provider, code = exited[lease.lease_id]
-        if lease.provider != provider:  # listed by another provider: not this lease's
+        ended = exited[lease.lease_id]
+        if lease.provider != ended.provider:  # listed by another provider: not this lease's
             continue
         if lease.state == LeaseState.PROVISIONING:
             tally.add(ExitedOutcome.NOT_YET_ACTIVE, lease.lease_id)
@@ -55,17 +80,16 @@ def finish_exited(ctx: SweepContext) -> Tally:
             tally.add(ExitedOutcome.DEFERRED, run.run_id)
             continue
         budget -= 1
-        status, outcome = ((RunStatus.COMPLETED, ExitedOutcome.COMPLETED) if code == 0
+        status, outcome = ((RunStatus.COMPLETED, ExitedOutcome.COMPLETED) if ended.code == 0
                            else (RunStatus.FAILED, ExitedOutcome.FAILED))
         if ctx.dry_run:
-            tally.add(outcome, run.run_id, f"exit code {code}")
+            tally.add(outcome, run.run_id, ended.detail)
             continue
-        error = None if code == 0 else f"the sandbox command exited with code {code}"
-        change, reclaim_now = finish(rt, run.run_id, status, code, error)
+        change, reclaim_now = finish(rt, run.run_id, status, ended.code, ended.error)
         if change == RunChange.UNCHANGED:
             tally.add(ExitedOutcome.ALREADY_FINISHED, run.run_id)
             continue
-        tally.add(outcome, run.run_id, f"exit code {code}")
+        tally.add(outcome, run.run_id, ended.detail)
         if reclaim_now:
             ctx.effects.reclaim(run.run_id)
             tally.add(ExitedOutcome.RECLAIMS_ENQUEUED)

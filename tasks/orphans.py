@@ -17,8 +17,13 @@ is matched to its lease row (by its name, or the lease id its label carries):
   abandoned and counted rather than looping.
 
 Young resources (an acquire may be in flight), resources the provider reports as already
-terminating, and resources of unknown age are never touched. Recording is the claim: of
-two overlapping ticks only one inserts (or revives) the row and sends its destroy.
+terminating, and resources of unknown age are never touched. Except one terminating past
+the provider's limit (``stuck_terminating``: its deletion began long ago and has not
+finished, e.g. a stuck garbage collector keeping a Job's pods running): it is reported,
+logged, and handled like an orphan past its grace (recorded or revived, and destroyed
+again, which deletes its pods explicitly), unless a live lease still accounts for it.
+Recording is the claim: of two overlapping ticks only one inserts (or revives) the row and
+sends its destroy.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ class OrphanOutcome(StrEnum):
     LEFT_FOR_OPERATOR = "left_for_operator"  # its lease is abandoned: the operator decides
     WITHIN_GRACE = "within_grace"  # younger than orphan_grace_s: an acquire may be in flight
     TERMINATING = "terminating"  # the provider is already deleting it
+    # terminating past the provider's limit; also counted under what was done with it
+    STUCK_TERMINATING = "stuck_terminating"
     AGE_UNKNOWN = "age_unknown"  # no creation time: never destroyed on a guess
     NOT_CLAIMED = "not_claimed"  # another tick recorded or revived it first
     DEFERRED = "deferred"  # beyond this tick's batch: next tick
@@ -78,21 +85,25 @@ def _sweep_listing(ctx: SweepContext, listing: Listing, tally: Tally, budget: in
     old_enough = listing.listed_at - timedelta(seconds=s.orphan_grace_s)
     for resource in sorted(listing.resources, key=lambda r: (r.created_at is None, r.name)):
         lease = index.lookup(resource.name, resource.lease_id)
+        stuck = bool(resource.meta.get("stuck_terminating"))
+        if stuck:
+            _report_stuck(listing, resource, tally)
         if lease is not None and lease.state not in FINAL_STATES:
             tally.add(OrphanOutcome.TRACKED)
             continue
         if lease is not None and lease.state == LeaseState.ABANDONED:
             tally.add(OrphanOutcome.LEFT_FOR_OPERATOR, lease.lease_id)
             continue
-        if resource.meta.get("terminating"):
-            tally.add(OrphanOutcome.TERMINATING, resource.name)
-            continue
-        if resource.created_at is None:
-            tally.add(OrphanOutcome.AGE_UNKNOWN, resource.name)
-            continue
-        if naive_utc(resource.created_at) > old_enough:  # inclusive: exactly the grace is old
-            tally.add(OrphanOutcome.WITHIN_GRACE, resource.name)
-            continue
+        if not stuck:  # a stuck deletion began past the limit: its age no longer matters
+            if resource.meta.get("terminating"):
+                tally.add(OrphanOutcome.TERMINATING, resource.name)
+                continue
+            if resource.created_at is None:
+                tally.add(OrphanOutcome.AGE_UNKNOWN, resource.name)
+                continue
+            if naive_utc(resource.created_at) > old_enough:  # inclusive: the grace is old
+                tally.add(OrphanOutcome.WITHIN_GRACE, resource.name)
+                continue
         if budget == 0:
             tally.add(OrphanOutcome.DEFERRED, resource.name)
             continue
@@ -102,6 +113,15 @@ def _sweep_listing(ctx: SweepContext, listing: Listing, tally: Tally, budget: in
         else:
             _record(ctx, listing, resource, tally)
     return budget
+
+
+def _report_stuck(listing: Listing, resource: ManagedResource, tally: Tally) -> None:
+    since = resource.meta.get("terminating_since") or "?"
+    log.warning("%s %s (lease %s) is still terminating, its deletion began %s: past the "
+                "provider's terminating limit (is its garbage collection stuck?); a destroy "
+                "deletes its pods explicitly", listing.provider, resource.name,
+                resource.lease_id or "unknown", since)
+    tally.add(OrphanOutcome.STUCK_TERMINATING, resource.name, f"terminating since {since}")
 
 
 def _record(ctx: SweepContext, listing: Listing, resource: ManagedResource,

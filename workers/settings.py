@@ -57,6 +57,10 @@ class Settings(BaseSettings):
     kube_job_active_deadline_s: int = Field(default=3600, gt=0)
     kube_job_ttl_after_finished_s: int = Field(default=900, ge=0)
     kube_request_timeout_s: float = Field(default=10.0, gt=0)
+    # A workload still terminating (deletionTimestamp set) this long after its deletion
+    # began is stuck (a slow or stuck garbage collector): sweep.orphans reports it and
+    # destroys it again, which deletes its pods explicitly.
+    kube_terminating_limit_s: float = Field(default=600.0, ge=0)
 
     # Lease lifetimes.
     lease_ttl_s: int = Field(default=3600, gt=0)

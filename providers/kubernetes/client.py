@@ -81,6 +81,16 @@ def _body(manifest: Manifest) -> Any:
     return manifest
 
 
+def _delete_options(uid: str | None, propagation: str | None = None) -> Obj:
+    """DeleteOptions: with ``uid`` as precondition the server deletes only that object."""
+    options: Obj = {}
+    if propagation:
+        options["propagationPolicy"] = propagation
+    if uid:
+        options["preconditions"] = {"uid": uid}
+    return options
+
+
 def _json(response: Any) -> Obj:
     try:
         data = response.data
@@ -147,9 +157,7 @@ class KubeApi:
 
     def delete_workload(self, backend: Backend, name: str, uid: str | None) -> Obj:
         """Foreground delete; with ``uid`` only that incarnation is deleted (409 otherwise)."""
-        options: Obj = {"propagationPolicy": FOREGROUND}
-        if uid:
-            options["preconditions"] = {"uid": uid}
+        options = _delete_options(uid, propagation=FOREGROUND)
         with self._errors("delete", backend, f"delete {backend.value} {self.namespace}/{name}"):
             match backend:
                 case Backend.SANDBOX_CR:
@@ -213,12 +221,13 @@ class KubeApi:
                 name, self.namespace, _preload_content=False, _request_timeout=self._timeout,
                 _headers={"Accept": _META_ONLY}))
 
-    def delete_secret(self, name: str) -> Obj:
+    def delete_secret(self, name: str, uid: str | None = None) -> Obj:
+        """With ``uid`` only that Secret is deleted (409 if the name holds another)."""
         with self._errors("delete", "secrets", f"delete Secret {self.namespace}/{name}",
                           sensitive=True):
             return _json(self.core.delete_namespaced_secret(
-                name, self.namespace, _preload_content=False, _request_timeout=self._timeout,
-                _headers={"Accept": _META_ONLY}))
+                name, self.namespace, body=_body(_delete_options(uid)), _preload_content=False,
+                _request_timeout=self._timeout, _headers={"Accept": _META_ONLY}))
 
     def list_secret_metadata(self, label_selector: str) -> list[Obj]:
         with self._errors("list", "secrets", f"list Secrets in {self.namespace}",
@@ -234,10 +243,12 @@ class KubeApi:
             return _json(self.core.read_namespaced_pod(
                 name, self.namespace, _preload_content=False, _request_timeout=self._timeout))
 
-    def delete_pod(self, name: str) -> Obj:
+    def delete_pod(self, name: str, uid: str | None = None) -> Obj:
+        """With ``uid`` only that pod is deleted (409 if the name holds another)."""
         with self._errors("delete", "pods", f"delete Pod {self.namespace}/{name}"):
             return _json(self.core.delete_namespaced_pod(
-                name, self.namespace, _preload_content=False, _request_timeout=self._timeout))
+                name, self.namespace, body=_body(_delete_options(uid)), _preload_content=False,
+                _request_timeout=self._timeout))
 
     def list_pods(self, label_selector: str) -> list[Obj]:
         with self._errors("list", "pods", f"list Pods in {self.namespace} ({label_selector})"):

@@ -8,11 +8,13 @@ Secret ``<name>-env``.
                   Any failure after the workload exists runs destroy before re-raising.
     resume_check  checkLeaseResumable of the seed: expected states never raise.
     job_exit      a Job's phase and its container's exit code.
-    destroy       workload (Foreground), pod, Secret; every part attempted, 404 = done.
-                  The workload is deleted by its recorded uid; a later incarnation of the
-                  lease under its name (by its labels) is deleted too, anyone else's never.
+    destroy       workload (Foreground), its pods (listed by our labels), Secret; every
+                  part attempted, 404 = done. Each object is deleted by the uid recorded
+                  at acquire or, failing that, only if its labels say it is this lease's
+                  (then by the uid just read): anyone else's object, never.
     list_managed  everything carrying this installation's label, one entry per workload,
-                  with a finished Job's exit code (for sweep.finish_exited).
+                  with a finished Job's exit code (or why it ended without one) for
+                  sweep.finish_exited, and whether it is stuck terminating.
 
 Manifests come from manifests.py, readings of objects from status.py, API calls from
 client.py (which translates every error); this module only decides.
@@ -26,7 +28,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Literal, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 from providers.base import (
     Acquired,
@@ -86,6 +88,7 @@ from providers.kubernetes.status import (
     is_terminating,
     job_exit_code,
     job_phase,
+    job_stop_reason,
     labels_of,
     meta,
     name_of,
@@ -94,6 +97,7 @@ from providers.kubernetes.status import (
     pod_not_running_reason,
     sandbox_pod_hint,
     sandbox_state,
+    terminating_since,
     uid_of,
 )
 from providers.kubernetes.waits import WaitOutcome, WaitResult, wait_for
@@ -122,6 +126,13 @@ class _Workload:
 
 
 @dataclass(frozen=True)
+class _SecretTarget:
+    name: str
+    uid: str
+    recorded: bool  # the uid acquire recorded (it may have been replaced since)
+
+
+@dataclass(frozen=True)
 class _PodLookup:
     pod: Obj | None
     missing_name: str | None = None  # the named pod the Sandbox points at, which is gone
@@ -132,6 +143,7 @@ class KubernetesProvider:
 
     def __init__(self, api: KubeApi, defaults: WorkloadDefaults, installation: str,
                  default_backend: Backend = Backend.SANDBOX_CR, *,
+                 terminating_limit_s: float = 600.0,
                  clock: Callable[[], float] = time.monotonic,
                  now: Callable[[], datetime] = lambda: datetime.now(UTC),
                  token_factory: Callable[[], str] = lambda: secrets.token_urlsafe(32)) -> None:
@@ -139,6 +151,7 @@ class KubernetesProvider:
         self.defaults = defaults
         self.installation = installation
         self.default_backend = default_backend
+        self.terminating_limit_s = terminating_limit_s
         self._clock = clock
         self._now = now
         self._token = token_factory
@@ -192,7 +205,8 @@ class KubernetesProvider:
         info = self._meta(backend, workload.obj, pod_name=None)
         try:
             try:
-                self._ensure_secret(backend, identity, request, workload.obj)
+                info["secret_uid"] = self._ensure_secret(backend, identity, request,
+                                                         workload.obj)
             except _NotOurs:
                 info["secret_name"] = None  # the cleanup below must leave that Secret alone
                 raise
@@ -216,6 +230,7 @@ class KubernetesProvider:
             "namespace": self.api.namespace,
             "pod_name": pod_name,
             "secret_name": secret_name(name_of(workload)),
+            "secret_uid": None,  # set once the Secret exists
             "uid": uid_of(workload),
             "backend": backend.value,
             "api_version": workload_api_version(backend, self.defaults),
@@ -247,7 +262,9 @@ class KubernetesProvider:
         return _Workload(existing, AcquireOutcome.ADOPTED)
 
     def _ensure_secret(self, backend: Backend, identity: LeaseIdentity,
-                       request: AcquireRequest, workload: Obj) -> None:
+                       request: AcquireRequest, workload: Obj) -> str | None:
+        """The uid of the lease's Secret: created, adopted (ours), or replaced (ours, but
+        owned by an earlier incarnation of the workload)."""
         uid = uid_of(workload)
         if uid is None:
             raise TerminalProviderError(
@@ -258,8 +275,7 @@ class KubernetesProvider:
                                 owner)
         name = secret_name(identity.name)
         try:
-            self.api.create_secret(manifest)
-            return
+            return uid_of(self.api.create_secret(manifest))
         except KubeAlreadyExists:
             existing = self.api.get_secret_metadata(name)
         if not belongs_to(existing, identity.lease_id, self.installation):
@@ -268,12 +284,12 @@ class KubernetesProvider:
                 f"{identity.lease_id}'s; refusing to adopt it: delete it or use another "
                 "LEASEKEEPER_KUBE_NAMESPACE")
         if uid in owner_uids(existing) and not is_terminating(existing):
-            return
+            return uid_of(existing)
         # Ours, but owned by an earlier incarnation of the workload: the garbage collector
-        # will remove it under the new pod. Replace it now.
+        # will remove it under the new pod. Replace it now (that one, by its uid).
         with contextlib.suppress(KubeNotFound):
-            self.api.delete_secret(name)
-        self.api.create_secret(manifest)
+            self.api.delete_secret(name, uid_of(existing))
+        return uid_of(self.api.create_secret(manifest))
 
     def _await_sandbox(self, sandbox: Obj, deadline: float, timeout_s: float) -> str:
         name = name_of(sandbox)
@@ -437,84 +453,138 @@ class KubernetesProvider:
 
     # -- destroy --------------------------------------------------------------------------
     def destroy(self, handle: LeaseHandle) -> DestroyOutcome:
+        """Workload, its pods, its Secret: each part attempted, each failure reported. No
+        part is deleted on a name alone: by the uid recorded at acquire (a server-side
+        precondition), else by what its labels say (this installation's, workload
+        ``handle.name``: names are derived from lease ids, so that is this lease's),
+        and then by the uid just read. Anyone else's object, never."""
         backend = self._backend(handle.backend or handle.meta.get("backend"))
         api = self._api_for(handle.meta)
         name = handle.name
-        uid = handle.meta.get("uid")
         failures: list[PartFailure] = []
-        if not uid:
-            # Nothing recorded the uid: read it, so only our own object is ever deleted.
-            try:
-                found = api.get_workload(backend, name)
-                if not self._ours(found, name):
-                    return DestroyOutcome.ALREADY_GONE  # not ours: nothing of ours is there
-                uid = uid_of(found)
-            except KubeNotFound:
-                pass
-            except ProviderError as exc:
-                failures.append(PartFailure("workload", exc))
-        pod_name = handle.meta.get("pod_name") or (
-            name if backend is Backend.SANDBOX_CR else None)
-        parts: list[tuple[str, Callable[[], object]]] = []
-        if not failures:
-            parts.append(("workload", lambda: api.delete_workload(backend, name, uid)))
-        if pod_name:
-            parts.append(("pod", lambda: api.delete_pod(str(pod_name))))
+        deleted = 0
+        # What to delete besides the workload is settled first, while the workload still
+        # holds its dependents: the garbage collector, quick to start on them once it goes,
+        # cannot turn a delete into a read that finds nothing (and a 404 is done anyway).
+        # The pods are deleted explicitly, as the seed does: a Job (or Sandbox) in Foreground
+        # deletion keeps its pods running for as long as the GC is slow or stuck. One made
+        # after the list is left to the GC, and to sweep.orphans if that is stuck.
+        try:
+            pods = api.list_pods(self._parts_selector(name))
+        except ProviderError as exc:
+            failures.append(PartFailure("pod", exc))
+            pods = []
         # A recorded secret_name of None means "the Secret under that name is not ours".
         secret = handle.meta["secret_name"] if "secret_name" in handle.meta else secret_name(name)
+        target: _SecretTarget | None = None
         if secret:
-            parts.append(("secret", lambda: api.delete_secret(str(secret))))
-        deleted = 0
-        for part, delete in parts:
             try:
-                delete()
-                deleted += 1
-            except KubeNotFound:
-                continue
-            except ProviderConflict as exc:
-                if part != "workload" or not uid:
-                    failures.append(PartFailure(part, exc))
-                    continue
-                # The uid precondition failed: the name holds another incarnation. A later
-                # one of this lease (made by an acquire that raced a sweep's destroy, or by
-                # a create whose answer was lost and that landed late, after the store had
-                # recorded the first uid) goes too; anyone else's stays, pod and Secret too.
-                try:
-                    if self._delete_current(api, backend, name) == "not_ours":
-                        break
-                    deleted += 1
-                except KubeNotFound:
-                    continue
-                except ProviderError as again:
-                    failures.append(PartFailure(part, again))
+                target = self._secret_target(api, str(secret), name,
+                                             handle.meta.get("secret_uid"))
             except ProviderError as exc:
-                failures.append(PartFailure(part, exc))
+                failures.append(PartFailure("secret", exc))
+        try:
+            deleted += self._destroy_workload(api, backend, name, handle.meta.get("uid"))
+        except ProviderError as exc:
+            failures.append(PartFailure("workload", exc))
+        for pod in pods:
+            try:
+                deleted += self._delete_verified(
+                    pod, name, lambda p: api.delete_pod(name_of(p), uid_of(p)))
+            except ProviderError as exc:
+                failures.append(PartFailure("pod", exc))
+        if target is not None:
+            try:
+                deleted += self._destroy_secret(api, name, target)
+            except ProviderError as exc:
+                failures.append(PartFailure("secret", exc))
         if failures:
             raise DestroyIncomplete.of(name, failures)
         return DestroyOutcome.DESTROYED if deleted else DestroyOutcome.ALREADY_GONE
 
-    def _ours(self, workload: Obj, name: str) -> bool:
-        """Labelled as this installation's workload ``name``. Names are derived from lease
-        ids, so that is this lease's, whichever incarnation it is."""
-        labels = labels_of(workload)
+    def _parts_selector(self, name: str) -> str:
+        return f"{installation_selector(self.installation)},{LABEL_WORKLOAD}={name}"
+
+    def _destroy_workload(self, api: KubeApi, backend: Backend, name: str,
+                          uid: object) -> int:
+        """1 if a workload was deleted. With the recorded uid the server checks it is that
+        incarnation; when it is not (409), or nothing was recorded, the one there now is
+        deleted only if it is ours: a later incarnation of this lease (an acquire that raced
+        a sweep's destroy, a create whose answer was lost and landed late) goes too."""
+        if uid:
+            try:
+                api.delete_workload(backend, name, str(uid))
+                return 1
+            except KubeNotFound:
+                return 0
+            except ProviderConflict:
+                pass  # the uid precondition failed: the name holds another incarnation
+        try:
+            current = api.get_workload(backend, name)
+            return self._delete_verified(
+                current, name, lambda w: api.delete_workload(backend, name, uid_of(w)))
+        except KubeNotFound:
+            return 0
+
+    def _secret_target(self, api: KubeApi, secret: str, name: str,
+                       uid: object) -> _SecretTarget | None:
+        """The Secret to delete: by the uid acquire recorded (no request), else the one
+        there now if its labels say it is ours (None if it is not, or is gone)."""
+        if uid:
+            return _SecretTarget(secret, str(uid), recorded=True)
+        try:
+            current = api.get_secret_metadata(secret)
+        except KubeNotFound:
+            return None
+        found = uid_of(current)
+        if not self._ours(current, name) or found is None:
+            return None
+        return _SecretTarget(secret, found, recorded=False)
+
+    def _destroy_secret(self, api: KubeApi, name: str, target: _SecretTarget) -> int:
+        """1 if the Secret was deleted. If the recorded one was replaced since (409), the
+        one there now is deleted only if it is ours."""
+        try:
+            api.delete_secret(target.name, target.uid)
+            return 1
+        except KubeNotFound:
+            return 0
+        except ProviderConflict:
+            if not target.recorded:
+                raise
+        try:
+            current = api.get_secret_metadata(target.name)
+            return self._delete_verified(
+                current, name, lambda s: api.delete_secret(target.name, uid_of(s)))
+        except KubeNotFound:
+            return 0
+
+    def _delete_verified(self, obj: Obj, name: str, delete: Callable[[Obj], object]) -> int:
+        """Delete ``obj`` (by its own uid) if its labels say it is ours; 1 if deleted."""
+        if not self._ours(obj, name) or uid_of(obj) is None:
+            return 0
+        try:
+            delete(obj)
+        except KubeNotFound:
+            return 0
+        return 1
+
+    def _ours(self, obj: Obj, name: str) -> bool:
+        """Labelled as part of this installation's workload ``name``. Names are derived
+        from lease ids, so that is this lease's, whichever incarnation it is."""
+        labels = labels_of(obj)
         return (labels.get(LABEL_INSTALLATION) == self.installation
                 and labels.get(LABEL_WORKLOAD) == name)
-
-    def _delete_current(self, api: KubeApi, backend: Backend,
-                        name: str) -> Literal["deleted", "not_ours"]:
-        """Delete the incarnation of workload ``name`` there now, by its uid, if it is ours."""
-        current = api.get_workload(backend, name)
-        if not self._ours(current, name):
-            return "not_ours"
-        api.delete_workload(backend, name, uid_of(current))
-        return "deleted"
 
     # -- enumerate ------------------------------------------------------------------------
     def list_managed(self) -> list[ManagedResource]:
         """Four lists by the installation label (Sandboxes, Jobs, Secret metadata, pods),
         one entry per workload; Secrets and pods whose workload is gone are reported as
         orphans. A finished Job's entry carries its container's exit code, read from the
-        pods already listed: no request per Job."""
+        pods already listed (no request per Job), or, for a Job Kubernetes stopped before
+        its command exited (its active deadline), no code and that reason. A workload
+        terminating for ``terminating_limit_s`` or more is marked ``stuck_terminating``."""
+        now = self._now()
         selector = installation_selector(self.installation)
         workloads: list[tuple[Backend, Obj]] = []
         for backend in Backend:
@@ -540,11 +610,19 @@ class KubernetesProvider:
                 "secret_name": secret_name(name),
                 "terminating": is_terminating(obj),
             }
+            since = terminating_since(obj)
+            if since is not None:
+                info["terminating_since"] = since.isoformat()
+                info["stuck_terminating"] = (now - since).total_seconds() >= \
+                    self.terminating_limit_s
             chosen = pick_pod(own_pods, uid_of(obj))
             if chosen is not None:
                 info["pod_name"] = name_of(chosen)
-            exit_code = job_exit_code(obj, own_pods) if backend is Backend.JOB else None
-            found[name] = self._managed(obj, backend, info, exit_code=exit_code)
+            stopped = job_stop_reason(obj) if backend is Backend.JOB else None
+            exit_code = (job_exit_code(obj, own_pods)
+                         if backend is Backend.JOB and stopped is None else None)
+            found[name] = self._managed(obj, backend, info, exit_code=exit_code,
+                                        exit_reason=stopped)
         leftovers = [("secret_name", obj) for obj in secrets]
         leftovers += [("pod_name", obj) for obj in pods]
         for key, obj in leftovers:
@@ -567,12 +645,14 @@ class KubernetesProvider:
 
     @staticmethod
     def _managed(obj: Obj, backend: Backend, info: Meta, name: str | None = None,
-                 exit_code: int | None = None) -> ManagedResource:
+                 exit_code: int | None = None,
+                 exit_reason: str | None = None) -> ManagedResource:
         exact = (meta(obj).get("annotations") or {}).get(ANNOTATION_LEASE_ID)
         return ManagedResource(
             name=name or name_of(obj), backend=backend.value,
             lease_id=exact or labels_of(obj).get(LABEL_LEASE_ID),
-            created_at=created_at(obj), meta=info, exit_code=exit_code)
+            created_at=created_at(obj), meta=info, exit_code=exit_code,
+            exit_reason=exit_reason)
 
 
 def build_kubernetes_provider(settings: Settings) -> KubernetesProvider:
@@ -580,4 +660,5 @@ def build_kubernetes_provider(settings: Settings) -> KubernetesProvider:
     api = KubeApi(build_api_client(settings), settings.kube_namespace,
                   settings.kube_request_timeout_s, settings.kube_sandbox_api_version)
     return KubernetesProvider(api, WorkloadDefaults.from_settings(settings),
-                              settings.installation_id, Backend(settings.kube_backend))
+                              settings.installation_id, Backend(settings.kube_backend),
+                              terminating_limit_s=settings.kube_terminating_limit_s)

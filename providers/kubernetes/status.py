@@ -30,6 +30,9 @@ PodT = TypeVar("PodT", bound=Mapping[str, Any])
 # Failed condition (agent-sandbox's own client keeps such a set for claims).
 TERMINAL_READY_REASONS: frozenset[str] = frozenset({"SandboxExpired"})
 _FAILED_REASON = re.compile("failed", re.IGNORECASE)
+# A Job Failed for one of these reasons was stopped by Kubernetes before its command
+# exited: it has ended, and it has no exit code of its own (its pods were killed).
+STOPPED_JOB_REASONS: frozenset[str] = frozenset({"DeadlineExceeded"})
 
 
 class SandboxPhase(StrEnum):
@@ -79,11 +82,20 @@ def is_terminating(obj: Obj) -> bool:
     return bool(meta(obj).get("deletionTimestamp"))
 
 
-def created_at(obj: Obj) -> datetime | None:
-    raw = meta(obj).get("creationTimestamp")
+def _timestamp(obj: Obj, key: str) -> datetime | None:
+    raw = meta(obj).get(key)
     if not raw:
         return None
     return datetime.fromisoformat(str(raw).replace("Z", "+00:00"))
+
+
+def created_at(obj: Obj) -> datetime | None:
+    return _timestamp(obj, "creationTimestamp")
+
+
+def terminating_since(obj: Obj) -> datetime | None:
+    """When the object's deletion began (its deletionTimestamp), if it has."""
+    return _timestamp(obj, "deletionTimestamp")
 
 
 def _conditions(obj: Obj) -> dict[str, Mapping[str, Any]]:
@@ -148,6 +160,16 @@ def job_phase(job: Obj) -> JobPhase:
     if int(status.get("active") or 0) > 0:
         return JobPhase.RUNNING
     return JobPhase.PENDING
+
+
+def job_stop_reason(job: Obj) -> str | None:
+    """The reason of a Job's Failed=True condition when Kubernetes stopped it before its
+    command exited (``STOPPED_JOB_REASONS``), else None."""
+    failed = _conditions(job).get("Failed") or {}
+    reason = str(failed.get("reason") or "")
+    if failed.get("status") == "True" and reason in STOPPED_JOB_REASONS:
+        return reason
+    return None
 
 
 def sandbox_pod_hint(sandbox: Obj) -> str | None:

@@ -8,6 +8,7 @@ kubeconfig of a cluster started elsewhere with the same access interface.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
 import shutil
@@ -15,7 +16,7 @@ import ssl
 import tempfile
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Literal
@@ -143,6 +144,18 @@ class KubeCluster(ClusterAccess):
 
     def kubeconfig_for_user(self, user: str) -> Path:
         return self.kubeconfig_for_token(self._tokens[user], name=user)
+
+    @contextlib.contextmanager
+    def frozen_controllers(self) -> Iterator[None]:
+        """The controller manager stopped (SIGSTOP) inside the block, resumed after it: no
+        Job controller and no garbage collector meanwhile, as in a cluster whose GC is stuck.
+        It runs with --leader-elect=false, so it picks up where it left off."""
+        manager = next(p for p in self.processes if p.name == "kube-controller-manager")
+        manager.pause()
+        try:
+            yield
+        finally:
+            manager.resume()
 
     def start(self) -> KubeCluster:
         if self._started:

@@ -2,7 +2,8 @@
 server: it forwards everything (bodies, watch and log streams chunk by chunk, WebSocket exec
 upgrades), counts requests by (method, path), and answers requests that match programmed rules
 with a Kubernetes ``Status`` error (500, 429 with Retry-After, 403, any code), a dropped
-connection, or a delay. TLS is terminated with a loopback certificate of the harness CA."""
+connection, a delay, or a hold (in flight until the test releases it). TLS is terminated
+with a loopback certificate of the harness CA."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from urllib.parse import urlsplit
 from tests.cluster.certs import CertPair, make_ca, make_server_cert
 from tests.cluster.kubeconfig import write_kubeconfig
 
-Action = Literal["status", "drop", "delay"]
+Action = Literal["status", "drop", "delay", "hold"]
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
               "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"}
 REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
@@ -65,6 +66,10 @@ class Rule:
     times: int | None = 1
     query: str | None = None
     hits: int = 0
+    # "hold": a matching request waits, unanswered, until ``released`` is set; ``arrived``
+    # is set when the first one does (so a test can act while the request is in flight).
+    arrived: threading.Event = field(default_factory=threading.Event, repr=False)
+    released: threading.Event = field(default_factory=threading.Event, repr=False)
     _path_re: re.Pattern[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -157,6 +162,7 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
+        self.clear_rules()  # held requests go on, so their threads end
         self._server.shutdown()
         self.close_streams()
         self._server.server_close()
@@ -206,8 +212,15 @@ class FaultProxy:
         """Hold the request ``seconds`` before forwarding it."""
         return self.add_rule(Rule(method, path, "delay", delay=seconds, times=times))
 
+    def hold(self, method: str, path: str, times: int | None = 1) -> Rule:
+        """Keep matching requests in flight until ``rule.released.set()`` (or clear_rules),
+        then forward them; ``rule.arrived`` is set once one is held."""
+        return self.add_rule(Rule(method, path, "hold", times=times))
+
     def clear_rules(self) -> None:
         with self._lock:
+            for rule in self.rules:
+                rule.released.set()
             self.rules.clear()
 
     def match(self, method: str, path: str, query: str) -> Rule | None:
@@ -282,6 +295,9 @@ class _Handler(BaseHTTPRequestHandler):
             if rule.action == "status":
                 self._send_status(rule)
                 return
+            if rule.action == "hold":
+                rule.arrived.set()
+                rule.released.wait()
             time.sleep(rule.delay)
         if self.headers.get("Upgrade"):
             self._tunnel(body)

@@ -59,11 +59,19 @@ class ManagedProcess:
             return ""
         return "\n".join(text.splitlines()[-lines:])
 
+    def pause(self) -> None:
+        """SIGSTOP the process group: it does nothing until ``resume``."""
+        _signal_group(self.popen.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        _signal_group(self.popen.pid, signal.SIGCONT)
+
     def stop(self, timeout: float = 10.0) -> None:
         """SIGTERM the process group, then SIGKILL it after ``timeout`` seconds."""
         if self.popen.poll() is not None:
             _reap_group(self.popen.pid)
             return
+        _signal_group(self.popen.pid, signal.SIGCONT)  # a paused process cannot act on TERM
         _signal_group(self.popen.pid, signal.SIGTERM)
         try:
             self.popen.wait(timeout)

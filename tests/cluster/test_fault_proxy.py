@@ -1,5 +1,5 @@
 """Owns the tests of the fault proxy's rules beyond plain errors: 429 with Retry-After, dropped
-connections, delays, counted watches and cutting open streams."""
+connections, delays, holds, counted watches and cutting open streams."""
 
 from __future__ import annotations
 
@@ -63,6 +63,28 @@ def test_drop_and_delay(fault_proxy: FaultProxy, k8s_namespace: str) -> None:
         core.list_namespaced_secret(k8s_namespace)
         assert time.monotonic() - started >= 0.5
         assert fault_proxy.count("GET", r"/secrets$") == 2
+
+
+def test_hold_keeps_a_request_in_flight_until_released(fault_proxy: FaultProxy,
+                                                       k8s_namespace: str) -> None:
+    # given a create held by the proxy
+    with _client(fault_proxy, retries=0) as api:
+        core = client.CoreV1Api(api)
+        held = fault_proxy.hold("POST", r"/configmaps$")
+        answers: list[object] = []
+        sender = threading.Thread(target=lambda: answers.append(core.create_namespaced_config_map(
+            k8s_namespace, {"metadata": {"name": "held"}})))
+        sender.start()
+        assert held.arrived.wait(30)
+        # then nothing reached the API server while it is held
+        with pytest.raises(client.ApiException) as missing:
+            core.read_namespaced_config_map("held", k8s_namespace)
+        assert missing.value.status == 404 and not answers
+        # and once released it is forwarded and answered
+        held.released.set()
+        sender.join(30)
+        assert len(answers) == 1
+        assert core.read_namespaced_config_map("held", k8s_namespace).metadata.name == "held"
 
 
 def test_watch_streams_through_and_close_streams_cuts_it(fault_proxy: FaultProxy,

@@ -5,7 +5,8 @@ fixtures (tests/cluster) plus
 - ``kube_stack``: a real Celery worker (tests/stack.py) whose provider is ``kubernetes``, in
   its own namespace, installation id, fault proxy, SQLite store and task queue, driven
   through the producer API the way a web backend drives it. Workers start one test ahead
-  (``KubeStackPool``), so a fresh worker per test costs no waiting.
+  (``KubeStackPool``), so a fresh worker per test costs no waiting;
+- ``frozen_controllers``: the controller manager stopped for a block (a stuck GC).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import secrets
 import signal
 import subprocess
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +31,7 @@ from models.store import Store
 from providers.base import AcquireRequest, LeaseHandle
 from providers.kubernetes.provider import KubernetesProvider, build_kubernetes_provider
 from providers.spec import SandboxSpec
-from tests.cluster.cluster import ClusterAccess
+from tests.cluster.cluster import ClusterAccess, KubeCluster
 from tests.cluster.fault_proxy import FaultProxy
 from tests.cluster.fixtures import *  # noqa: F403
 from tests.cluster.fixtures import create_namespace, delete_namespace, new_fault_proxy
@@ -145,6 +147,15 @@ def steered_controller(sandbox_controller: SandboxController | None) -> SandboxC
     return sandbox_controller
 
 
+@pytest.fixture
+def frozen_controllers(kube_cluster: ClusterAccess) -> Callable[[], AbstractContextManager[None]]:
+    """``with frozen_controllers():`` the controller manager is stopped (no garbage collector,
+    no Job controller), as in a cluster whose GC is stuck. Only on the harness's own cluster."""
+    if not isinstance(kube_cluster, KubeCluster):
+        pytest.skip("freezes the harness's controller manager; this cluster is external")
+    return kube_cluster.frozen_controllers
+
+
 # -- a real worker on the kubernetes provider -------------------------------------------------
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -184,6 +195,17 @@ class KubeStack:
 
     def worker_log(self) -> str:
         return self.stack.logfile.read_text(errors="replace")
+
+    def forget(self, lease_id: str) -> None:
+        """Delete the lease's rows (lease, events, run) behind the system's back."""
+        from sqlalchemy import delete
+
+        from models.schema import LeaseEvent
+
+        with self.store.tx() as s:
+            s.execute(delete(LeaseEvent).where(LeaseEvent.lease_id == lease_id))
+            s.execute(delete(Run).where(Run.lease_id == lease_id))
+            s.execute(delete(Lease).where(Lease.lease_id == lease_id))
 
     def store_dump(self) -> str:
         """Every row of every table, as text (to look for values that must not be there)."""
@@ -251,6 +273,8 @@ def worker_env(proxy: FaultProxy, namespace: str, installation: str,
         "LEASEKEEPER_INSTALLATION_ID": installation,
         "LEASEKEEPER_TASK_QUEUE": queue,
         "LEASEKEEPER_KUBE_REQUEST_TIMEOUT_S": "10",
+        # The tests drive sweep.orphans themselves: a terminating workload is stuck at once.
+        "LEASEKEEPER_KUBE_TERMINATING_LIMIT_S": "0",
     }
 
 

@@ -4,7 +4,7 @@ API server with faults injected by the proxy in front of it."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
@@ -104,6 +104,25 @@ def test_destroy_without_uid_leaves_someone_elses_object(kenv: KubeEnv) -> None:
     assert kenv.provider.destroy(kenv.handle("lk-theirs")) is DestroyOutcome.ALREADY_GONE
     assert kenv.proxy.count("DELETE") == 0
     assert kenv.read("sandbox", "lk-theirs") is not None
+
+
+def test_destroy_by_name_alone_leaves_someone_elses_pod_and_secret(kenv: KubeEnv) -> None:
+    # given no workload, and someone else's pod and Secret under the names a Sandbox lease
+    # named lk-theirs-3 would derive (its pod, its <name>-env)
+    kenv.core.create_namespaced_pod(kenv.namespace, {
+        "metadata": {"name": "lk-theirs-3", "labels": {"app": "someone-else"}},
+        "spec": {"containers": [{"name": "c", "image": "busybox",
+                                 "command": ["sh", "-c", "while :; do sleep 1; done"]}]}})
+    kenv.core.create_namespaced_secret(kenv.namespace, {
+        "metadata": {"name": "lk-theirs-3-env"}, "stringData": {"THEIRS": "x"}})
+    # when destroying by name only (a lease whose acquire never recorded anything)
+    for backend in ("sandbox-cr", "job"):
+        assert kenv.provider.destroy(kenv.handle("lk-theirs-3", backend)) \
+            is DestroyOutcome.ALREADY_GONE
+    # then nothing is deleted: neither is labelled as this installation's lk-theirs-3
+    assert kenv.proxy.count("DELETE") == 0
+    assert kenv.read("pod", "lk-theirs-3") is not None
+    assert kenv.read("secret", "lk-theirs-3-env") is not None
 
 
 def test_destroy_with_a_stale_uid_deletes_the_leases_later_incarnation(kenv: KubeEnv) -> None:
@@ -248,6 +267,41 @@ def test_list_managed_finds_this_installations_workloads_only(kenv: KubeEnv) -> 
         is DestroyOutcome.DESTROYED
 
 
+def test_list_managed_marks_a_workload_stuck_terminating_past_the_limit(kenv: KubeEnv) -> None:
+    # given a Sandbox whose deletion began and cannot finish (a finalizer holds it)
+    request = kenv.request()
+    kenv.provider.acquire(request)
+    hold = "test.leasekeeper.dev/hold"
+    kenv.custom.patch_namespaced_custom_object(
+        "agents.x-k8s.io", "v1alpha1", kenv.namespace, "sandboxes", request.name,
+        {"metadata": {"finalizers": [hold]}})
+    kenv.custom.delete_namespaced_custom_object(
+        "agents.x-k8s.io", "v1alpha1", kenv.namespace, "sandboxes", request.name,
+        _preload_content=False)
+    try:
+        kenv.wait("sandbox", request.name,
+                  lambda sb: bool(sb and sb["metadata"].get("deletionTimestamp")))
+        p = kenv.provider
+        assert p.terminating_limit_s == 600.0
+
+        def listed(seconds_later: float) -> dict[str, Any]:
+            at = datetime.now(UTC) + timedelta(seconds=seconds_later)
+            clocked = KubernetesProvider(p.api, p.defaults, p.installation, p.default_backend,
+                                         terminating_limit_s=600.0, now=lambda: at)
+            return {r.name: r.meta for r in clocked.list_managed()}[request.name]
+
+        # then it is terminating, since its deletionTimestamp; stuck only past the limit
+        now = listed(0)
+        assert now["terminating"] is True and now["stuck_terminating"] is False
+        assert datetime.fromisoformat(now["terminating_since"]) <= datetime.now(UTC)
+        assert listed(601)["stuck_terminating"] is True
+    finally:
+        kenv.custom.patch_namespaced_custom_object(
+            "agents.x-k8s.io", "v1alpha1", kenv.namespace, "sandboxes", request.name,
+            {"metadata": {"finalizers": None}})
+    kenv.wait("sandbox", request.name, gone)
+
+
 def test_list_managed_reports_an_orphaned_secret(kenv: KubeEnv) -> None:
     request = kenv.request()
     acquired = kenv.provider.acquire(request)
@@ -285,6 +339,7 @@ def test_request_counts_per_operation(kenv: KubeEnv, capsys: pytest.CaptureFixtu
     job_acquired = kenv.provider.acquire(job)
     counts["acquire job"] = kenv.proxy.count()
     job_handle = kenv.handle(job.name, "job", **job_acquired.meta)
+    kenv.wait("job", job.name, lambda j: (j or {}).get("status", {}).get("active") == 1)
     kenv.proxy.reset_counts()
     assert kenv.provider.resume_check(job_handle, 10).outcome is ResumeOutcome.RESUMABLE
     counts["resume_check live job"] = kenv.proxy.count()
@@ -301,8 +356,10 @@ def test_request_counts_per_operation(kenv: KubeEnv, capsys: pytest.CaptureFixtu
     assert counts["acquire sandbox-cr"] == 3
     # read Sandbox, read pod
     assert counts["resume_check live sandbox-cr"] == 2
-    assert counts["destroy sandbox-cr"] == 3
+    # delete the workload (Foreground, by uid), list its pods by label, delete the pod (by
+    # uid: a stuck GC would keep it running), delete the Secret (by uid)
+    assert counts["destroy sandbox-cr"] == 4
     assert counts["acquire job"] == 2  # create Job, create Secret (its pod comes later)
     assert counts["resume_check live job"] == 2  # read Job, list pods
-    assert counts["destroy job"] == 2  # Job (Foreground: the GC takes its pods), Secret
+    assert counts["destroy job"] == 4
     assert counts["list_managed"] == 4

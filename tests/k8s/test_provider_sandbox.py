@@ -21,7 +21,8 @@ from tests.k8s.conftest import KubeEnv, provider_settings
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(120)]
 
-META_KEYS = {"namespace", "pod_name", "secret_name", "uid", "backend", "api_version"}
+META_KEYS = {"namespace", "pod_name", "secret_name", "secret_uid", "uid", "backend",
+             "api_version"}
 
 
 def test_acquire_creates_sandbox_and_owned_secret_and_resume_is_resumable(kenv: KubeEnv) -> None:

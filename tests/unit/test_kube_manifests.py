@@ -30,6 +30,7 @@ from providers.kubernetes.status import (
     container_exit_code,
     job_exit_code,
     job_phase,
+    job_stop_reason,
     pick_pod,
     pod_not_running_reason,
     sandbox_pod_hint,
@@ -313,6 +314,18 @@ def test_job_exit_code_is_the_newest_own_pod_that_ended_by_itself() -> None:
     assert job_exit_code({"metadata": {"uid": "job-uid"}, "status": {"active": 1}}, pods) is None
     assert job_exit_code(failed, [pod("gone", "Failed", owner="job-uid")]) is None
     assert job_exit_code(failed, [pods[3]]) is None
+
+
+@pytest.mark.parametrize(("condition", "reason"), [
+    ({"type": "Failed", "status": "True", "reason": "DeadlineExceeded"}, "DeadlineExceeded"),
+    # failed by its own pod (which has an exit code), or not failed: no stop reason
+    ({"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}, None),
+    ({"type": "Failed", "status": "False", "reason": "DeadlineExceeded"}, None),
+    ({"type": "Complete", "status": "True"}, None),
+])
+def test_job_stop_reason_only_for_a_job_kubernetes_stopped(condition: dict[str, str],
+                                                           reason: str | None) -> None:
+    assert job_stop_reason({"status": {"conditions": [condition]}}) == reason
 
 
 def test_a_403_names_the_verb_resource_and_group_to_grant() -> None:
