@@ -74,6 +74,9 @@ def reclaim_run(rt: Runtime, run_id: str, task_id: str | None) -> Reclaimed:
                     lease.lease_id, lease.provider, run_id, run.provider)
         return _record(rt, Reclaimed(run_id, ReclaimOutcome.PROVIDER_MISMATCH, lease.lease_id,
                                      f"lease provider {lease.provider}"))
+    if lease.state == LeaseState.DESTROYED and run.reclaim_outcome == ReclaimOutcome.DESTROYED:
+        # A repeated or redelivered reclaim: same answer, nothing written.
+        return Reclaimed(run_id, ReclaimOutcome.DESTROYED, lease.lease_id, "already reclaimed")
     if lease.state == LeaseState.DESTROYED:
         return _record(rt, Reclaimed(run_id, ReclaimOutcome.NOT_FOUND, lease.lease_id,
                                      "its lease is already destroyed"))

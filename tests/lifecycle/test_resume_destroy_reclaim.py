@@ -150,9 +150,13 @@ def test_reclaim_destroys_the_sandbox_of_a_finished_run(rt: Runtime) -> None:
     assert rt.store.get_lease(lease_id).state == LeaseState.DESTROYED
     run = rt.store.get_run("run-1")
     assert run.reclaim_outcome == ReclaimOutcome.DESTROYED and run.reclaimed_at is not None
-    # The record of the destroyed lease no longer counts for the key: a second reclaim
-    # finds nothing, exactly like the seed's deleted instance record.
-    assert reclaim_run(rt, "run-1", None).outcome == ReclaimOutcome.NOT_FOUND
+    # A repeated reclaim is a no-op: the same answer, and the recorded outcome is kept
+    # (it used to answer not-found and overwrite `destroyed` with it).
+    again = reclaim_run(rt, "run-1", None)
+    assert (again.outcome, again.detail) == (ReclaimOutcome.DESTROYED, "already reclaimed")
+    after = rt.store.get_run("run-1")
+    assert after.reclaim_outcome == ReclaimOutcome.DESTROYED
+    assert after.reclaimed_at == run.reclaimed_at
 
 
 def test_reclaim_without_sandbox_key(rt: Runtime) -> None:
