@@ -88,7 +88,9 @@ def test_reclaim_of_an_old_run_leaves_a_newer_paused_runs_sandbox_on_the_same_ke
     new, new_lease = acquire({"sandbox_key": key})
     producer.finish_run(new, "interrupted").get(30)  # paused: its sandbox must stay
     again = producer.reclaim_run(old).get(30)  # a late, redelivered reclaim of the old run
-    assert again["outcome"] == ReclaimOutcome.NOT_FOUND and again["lease_id"] == old_lease
+    # it answers what it answered before (its own lease), and touches nothing else
+    assert again["outcome"] == ReclaimOutcome.DESTROYED and again["lease_id"] == old_lease
+    assert again["detail"] == "already reclaimed"
     assert rt.store.get_lease(new_lease).state == LeaseState.ACTIVE and alive(rt, new_lease)
     producer.destroy_lease(new_lease).get(30)
 
