@@ -18,8 +18,9 @@ RUN if ! command -v python3 >/dev/null; then \
     && install -d -o leasekeeper -g leasekeeper /var/lib/leasekeeper
 WORKDIR /app
 # Dependencies first (their layer changes only with pyproject.toml), then the code.
-COPY pyproject.toml README.md ./
-RUN pip install '.[postgres,embedded]' && pip uninstall -y leasekeeper
+COPY pyproject.toml ./
+RUN touch README.md && pip install '.[postgres,embedded]' && pip uninstall -y leasekeeper
+COPY README.md ./
 COPY tasks ./tasks
 COPY workers ./workers
 COPY models ./models

@@ -21,9 +21,7 @@ def docker() -> Iterator[DockerEngine]:
 def stack_images(docker: DockerEngine) -> Images:
     """The base and services images, and the leasekeeper image built by ``docker-compose
     build`` from the project's Dockerfile (layer-cached across sessions)."""
-    found = images(docker)
-    ComposeStack(docker, found).build()
-    return found
+    return images(docker, lambda found: ComposeStack(docker, found).build())
 
 
 @pytest.fixture(scope="module")

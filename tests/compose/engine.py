@@ -16,7 +16,8 @@ import hashlib
 import os
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -69,6 +70,7 @@ class DockerEngine:
         return tag
 
     def stop(self) -> None:
+        self.docker("image", "prune", "-f")  # superseded builds; tagged images stay cached
         self.script("stop", timeout_s=60)
         self.lock.close()
 
@@ -112,9 +114,18 @@ class Images:
     leasekeeper: str  # the project's Dockerfile, as docker-compose.yml builds it
 
 
-def images(engine: DockerEngine) -> Images:
+def images(engine: DockerEngine, build_leasekeeper: Callable[[Images], None]) -> Images:
+    """Every image the tests use; the services image builds while ``build_leasekeeper``
+    (docker-compose build) runs, both on the cached base."""
     base = engine.script("base-image", timeout_s=900)
     services = f"leasekeeper-test/services:{_tree_hash(SERVICES_DIR)}-{base.rsplit(':', 1)[1]}"
-    if not engine.image_exists(services):
-        engine.build(services, SERVICES_DIR, BASE_IMAGE=base)
-    return Images(base=base, services=services, leasekeeper="leasekeeper-test/leasekeeper:latest")
+    found = Images(base=base, services=services,
+                   leasekeeper="leasekeeper-test/leasekeeper:latest")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        pending = None
+        if not engine.image_exists(services):
+            pending = pool.submit(engine.build, services, SERVICES_DIR, BASE_IMAGE=base)
+        build_leasekeeper(found)
+        if pending is not None:
+            pending.result()
+    return found

@@ -9,6 +9,8 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE_FILE = REPO / "docker-compose.yml"
 
@@ -72,3 +74,15 @@ def test_flower_is_on_loopback_and_never_runs_without_basic_auth() -> None:
     assert refused.returncode == 2 and "LEASEKEEPER_FLOWER_BASIC_AUTH" in refused.stderr
     chosen = _services(_config(LEASEKEEPER_FLOWER_BASIC_AUTH="ops:s3cret").stdout)
     assert chosen["flower"]["environment"]["FLOWER_BASIC_AUTH"] == "ops:s3cret"
+
+
+def test_no_docker_engine_skips_with_the_reason_but_fails_under_ci(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.compose.engine import unavailable
+
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="dockerd needs root"):
+        unavailable("dockerd needs root")
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI must run the Docker tests, but: no"):
+        unavailable("no kernel support")

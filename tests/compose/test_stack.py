@@ -64,8 +64,6 @@ def test_worker_and_beat_are_healthy_and_the_worker_check_really_pings(
         compose_stack: ComposeStack) -> None:
     assert compose_stack.health("worker") == "healthy"
     assert compose_stack.health("beat") == "healthy"
-    assert compose_stack.run_healthcheck("worker") == 0
-    assert compose_stack.run_healthcheck("beat") == 0
     # A worker that cannot answer (its main process frozen) fails its health check.
     main = _celery_main_pid(compose_stack, "worker")
     os.kill(main, signal.SIGSTOP)

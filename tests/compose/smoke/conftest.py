@@ -119,17 +119,20 @@ def _redis_command(port: int) -> list[str]:
     return [*RedisContainer.command(), "--port", str(port), "--bind", "127.0.0.1"]
 
 
-@pytest.fixture
+# Broker, backend and worker containers live for the module (each test sends its own runs
+# and writes its own fault plan); pytest-celery's per-test wrappers sit on top of them.
+@pytest.fixture(scope="module")
 def redis_broker_command() -> list[str]:
     return _redis_command(free_port())
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def redis_backend_command() -> list[str]:
     return _redis_command(free_port())
 
 
 default_redis_broker = container(
+    scope="module",
     image="{services_image}",
     network="{default_pytest_celery_network.name}",
     command=fxtr("redis_broker_command"),
@@ -138,6 +141,7 @@ default_redis_broker = container(
 )
 
 default_redis_backend = container(
+    scope="module",
     image="{services_image}",
     network="{default_pytest_celery_network.name}",
     command=fxtr("redis_backend_command"),
@@ -161,18 +165,17 @@ def celery_backend_cluster(celery_redis_backend: RedisTestBackend,
     cluster.teardown()
 
 
-@pytest.fixture
-def worker_state(tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def worker_state(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The worker's /var/lib/leasekeeper: a migrated SQLite store and the fault plan."""
-    state = tmp_path / "state"
-    state.mkdir()
+    state = tmp_path_factory.mktemp("worker-state")
     upgrade(f"sqlite:///{state / 'store.db'}")
     for path in [state, *state.iterdir()]:
         os.chown(path, WORKER_UID, WORKER_UID)
     return state
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def worker_store(worker_state: Path) -> Iterator[Store]:
     store = Store(f"sqlite:///{worker_state / 'store.db'}")
     yield store
@@ -202,10 +205,10 @@ def default_worker_container_session_cls() -> type[CeleryWorkerContainer]:
     return LeasekeeperWorkerContainer
 
 
-@pytest.fixture
-def leasekeeper_worker_env(celery_worker_cluster_config: dict[str, Any]) -> dict[str, str]:
-    broker = celery_worker_cluster_config["celery_broker_cluster_config"]["urls"][0]
-    backend = celery_worker_cluster_config["celery_backend_cluster_config"]["urls"][0]
+@pytest.fixture(scope="module")
+def leasekeeper_worker_env(default_redis_broker: HostRedisContainer,
+                           default_redis_backend: HostRedisContainer) -> dict[str, str]:
+    broker, backend = default_redis_broker.url, default_redis_backend.url
     return {**TEST_SETTINGS, "LEASEKEEPER_BROKER_URL": broker,
             "LEASEKEEPER_RESULT_BACKEND_URL": backend,
             "LEASEKEEPER_STORE_URL": f"sqlite:///{STATE_DIR}/store.db",
@@ -213,17 +216,23 @@ def leasekeeper_worker_env(celery_worker_cluster_config: dict[str, Any]) -> dict
             "LEASEKEEPER_INSTALLATION_ID": "smoke"}
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
+def leasekeeper_worker_command() -> list[str]:
+    return LeasekeeperWorkerContainer.command()
+
+
+@pytest.fixture(scope="module")
 def leasekeeper_worker_volumes(worker_state: Path) -> dict[str, dict[str, str]]:
     return {str(worker_state): {"bind": STATE_DIR, "mode": "rw"}}
 
 
 default_worker_container = container(
+    scope="module",
     image="{celery_base_worker_image.id}",
     network="{default_pytest_celery_network.name}",
     environment=fxtr("leasekeeper_worker_env"),
     volumes=fxtr("leasekeeper_worker_volumes"),
-    command=fxtr("default_worker_command"),
+    command=fxtr("leasekeeper_worker_command"),
     init=True,
     wrapper_class=LeasekeeperWorkerContainer,
     timeout=180,
