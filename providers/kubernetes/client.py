@@ -34,7 +34,7 @@ Obj = dict[str, Any]
 FOREGROUND = "Foreground"
 _META_ONLY = "application/json;as=PartialObjectMetadata;g=meta.k8s.io;v=v1"
 _META_LIST = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1"
-# The RBAC resource and API group behind each workload kind (deploy/role.yaml grants them).
+# The RBAC resource and API group behind each workload kind (deploy/rbac/role.yaml grants them).
 _RESOURCES: dict[Backend, tuple[str, str]] = {
     Backend.SANDBOX_CR: (SANDBOX_PLURAL, SANDBOX_GROUP),
     Backend.JOB: ("jobs", "batch"),

@@ -78,7 +78,7 @@ class Permission:
         return (f'the worker\'s identity lacks the RBAC permission to "{self.verb}" '
                 f'"{self.resource}" (API group '
                 f"{group}) in namespace {namespace}: add verb \"{self.verb}\" on resource "
-                f'"{self.resource}" to the worker\'s Role (deploy/role.yaml) and retry')
+                f'"{self.resource}" to the worker\'s Role (deploy/rbac/role.yaml) and retry')
 
 
 def _status_body(exc: ApiException) -> dict[str, Any]:

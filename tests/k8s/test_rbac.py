@@ -251,4 +251,4 @@ def test_a_missing_permission_fails_at_once_naming_what_to_grant(
     assert "HTTP 403" in text, text
     assert f'lacks the RBAC permission to "{verb}" "{resource}"' in text, text
     assert f'add verb "{verb}" on resource "{resource}"' in text, text
-    assert "deploy/role.yaml" in text, text
+    assert "deploy/rbac/role.yaml" in text, text

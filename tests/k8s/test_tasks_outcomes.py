@@ -73,8 +73,12 @@ def test_reclaim_not_found_when_the_lease_is_already_destroyed(kube_stack: KubeS
     assert producer.destroy_lease(acquired["lease_id"]).get(60)["result"] == "destroyed"
     ks.env.wait("sandbox", acquired["provider_lease_id"], gone)
     ks.proxy.reset_counts()
-    # when the run finishes; then the reclaim finds nothing to destroy, and asks nothing
-    producer.finish_run(run_id, "completed", 0).get(30)
+    # the lease's end settled its run (runs never lie): a late run.finish changes nothing
+    run = ks.run(run_id)
+    assert run.status == RunStatus.ABORTED and acquired["lease_id"] in (run.error or "")
+    assert producer.finish_run(run_id, "completed", 0).get(30)["change"] == "unchanged"
+    # when the run is reclaimed; then it finds nothing to destroy, and asks nothing
+    assert producer.reclaim_run(run_id).get(60)["outcome"] == ReclaimOutcome.NOT_FOUND
     assert reclaimed(ks, run_id) == ReclaimOutcome.NOT_FOUND
     assert ks.proxy.count() == 0
 

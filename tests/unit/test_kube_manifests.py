@@ -338,4 +338,4 @@ def test_a_403_names_the_verb_resource_and_group_to_grant() -> None:
     text = str(error)
     assert text.startswith("kubernetes: watch sandbox-cr ns/lk-x failed (HTTP 403 Forbidden)")
     assert 'add verb "watch" on resource "sandboxes"' in text
-    assert '"agents.x-k8s.io"' in text and "deploy/role.yaml" in text and "RBAC" in text
+    assert '"agents.x-k8s.io"' in text and "deploy/rbac/role.yaml" in text and "RBAC" in text
