@@ -13,7 +13,7 @@ from typing import Any
 from celery import Celery
 from celery.signals import worker_init, worker_process_init
 
-from workers.beat import beat_schedule
+from workers.beat import beat_max_interval_s, beat_schedule
 from workers.settings import Settings, get_settings
 
 TASK_MODULES = ["tasks.acquire", "tasks.resume", "tasks.destroy", "tasks.reclaim",
@@ -48,6 +48,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_send_task_events": True,
         "worker_hijack_root_logger": False,
         "beat_schedule": beat_schedule(settings),
+        "beat_scheduler": "workers.beat:HeartbeatScheduler",
+        "beat_max_loop_interval": beat_max_interval_s(settings),
         "timezone": "UTC",
         "enable_utc": True,
     }

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from models.schema import utcnow
-from providers.errors import LeasekeeperError, NotFound, StoreUnavailable
+from providers.errors import BrokerUnavailable, LeasekeeperError, NotFound, StoreUnavailable
 
 if TYPE_CHECKING:
     from workers.runtime import Runtime
@@ -35,14 +35,10 @@ class ExitCode(IntEnum):
     NOT_FOUND = 4
 
 
-class BrokerDown(LeasekeeperError):
-    """The CLI could not reach the broker (raised by commands that need it)."""
-
-
 def exit_code_for(exc: LeasekeeperError) -> ExitCode:
     if isinstance(exc, NotFound):
         return ExitCode.NOT_FOUND
-    if isinstance(exc, StoreUnavailable | BrokerDown):
+    if isinstance(exc, StoreUnavailable | BrokerUnavailable):
         return ExitCode.UNAVAILABLE
     return ExitCode.USAGE
 
@@ -56,10 +52,30 @@ def run_cli(app: Callable[[], Any]) -> None:
         sys.exit(exit_code_for(exc))
 
 
-def runtime() -> Runtime:
-    from workers.runtime import get_runtime
+_store_checked: set[str] = set()
 
+
+def runtime() -> Runtime:
+    """The runtime, once the store is known to exist and be migrated (workers/preflight)."""
+    from workers.preflight import check_store
+    from workers.runtime import get_runtime
+    from workers.settings import get_settings
+
+    url = get_settings().effective_store_url
+    if url not in _store_checked:
+        check_store(url)
+        _store_checked.add(url)
     return get_runtime()
+
+
+def require_broker() -> str:
+    """The broker URL, once Redis answers there (else BrokerUnavailable, exit code 3)."""
+    from workers.preflight import check_broker
+    from workers.settings import get_settings
+
+    url = get_settings().effective_broker_url
+    check_broker(url)
+    return url
 
 
 def emit_json(value: Any) -> None:
