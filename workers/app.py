@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from celery.signals import worker_init, worker_process_init
+from celery.signals import beat_init, worker_init, worker_process_init
 
 from workers.beat import beat_max_interval_s, beat_schedule
 from workers.settings import Settings, get_settings
@@ -62,6 +62,14 @@ def create_app(settings: Settings | None = None) -> Celery:
 
 
 app = create_app()
+
+
+@worker_init.connect
+@beat_init.connect
+def _warn_unknown_settings(**_: Any) -> None:
+    from workers.settings import warn_unknown_variables
+
+    warn_unknown_variables()
 
 
 @worker_init.connect

@@ -52,7 +52,8 @@ class HeartbeatScheduler(PersistentScheduler):  # type: ignore[misc]
             if self._client is None:
                 self._client = _redis(settings)
             mark_beat(self._client, settings.task_queue,
-                      3 * max(self.max_interval, sleep_s, 1.0))
+                      3 * max(self.max_interval, sleep_s, 1.0),
+                      started=None if self._marked_at else time.time())
             self._marked_at = now
         return sleep_s
 

@@ -44,7 +44,12 @@ def exit_code_for(exc: LeasekeeperError) -> ExitCode:
 
 
 def run_cli(app: Callable[[], Any]) -> None:
-    """Run the root app, turning the errors leasekeeper raises on purpose into one line."""
+    """Run the root app, turning the errors leasekeeper raises on purpose into one line;
+    first warn about LEASEKEEPER_* variables no setting reads."""
+    from workers.settings import unknown_variables
+
+    for warning in unknown_variables():
+        typer.echo(f"leasekeeper: warning: {warning}", err=True)
     try:
         app()
     except LeasekeeperError as exc:

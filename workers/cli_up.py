@@ -79,6 +79,9 @@ def up(
                 if demo:
                     _end_demo(backend, demo_env)
                 say("press Ctrl-C to stop")
+                # Ctrl-C (even where a shell made the process ignore SIGINT) and SIGTERM
+                # both stop it, after saying what stays running.
+                signal.signal(signal.SIGINT, lambda *_: stop.set())
                 with contextlib.suppress(KeyboardInterrupt):
                     stop.wait()
                 typer.echo("")

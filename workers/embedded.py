@@ -52,7 +52,11 @@ def port_is_free(port: int) -> bool:
 
 
 def require_package(module: str, pip_name: str, what: str) -> None:
-    if importlib.util.find_spec(module) is None:
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:
+        found = False
+    if not found:
         raise ConfigError(f"{what} needs the Python package {pip_name!r}, which is not "
                           f"installed: {sys.executable} -m pip install '{pip_name}'")
 

@@ -2,6 +2,7 @@
 
     leasekeeper:<queue>:beat                 beat's last scheduler tick (epoch seconds);
                                              written by HeartbeatScheduler (workers/beat.py)
+    leasekeeper:<queue>:beat:started         when that beat process started
     leasekeeper:<queue>:sweep:<name>:last    a sweep's last tick that ran: when, took_ms and
                                              its outcome counts (JSON; written by run_sweep)
 
@@ -29,13 +30,21 @@ def sweep_key(queue: str, sweep: str) -> str:
     return f"leasekeeper:{queue}:sweep:{sweep}:last"
 
 
-def mark_beat(client: redis.Redis[bytes], queue: str, ttl_s: float) -> None:
+def mark_beat(client: redis.Redis[bytes], queue: str, ttl_s: float,
+              started: float | None = None) -> None:
     with contextlib.suppress(redis.RedisError):
         client.set(beat_key(queue), repr(time.time()), ex=max(int(ttl_s), 1))
+        if started is not None:
+            client.set(beat_key(queue) + ":started", repr(started), ex=KEY_TTL_S)
 
 
 def last_beat(client: redis.Redis[bytes], queue: str) -> float | None:
     raw = client.get(beat_key(queue))
+    return float(raw) if raw else None
+
+
+def beat_started(client: redis.Redis[bytes], queue: str) -> float | None:
+    raw = client.get(beat_key(queue) + ":started")
     return float(raw) if raw else None
 
 
