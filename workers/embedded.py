@@ -244,6 +244,8 @@ def embedded_backend(settings: Settings, extra_env: dict[str, str],
     sup = Supervisor(var / "logs")
     env = {**os.environ, **extra_env, "LEASEKEEPER_VAR_DIR": str(var)}
     notes: list[str] = []
+    flower_port, note = choose_flower_port(settings)  # before anything starts
+    notes += [note] if note else []
     try:
         if settings.broker_url:
             check_broker(settings.broker_url)
@@ -253,7 +255,8 @@ def embedded_backend(settings: Settings, extra_env: dict[str, str],
             proc = sup.start("redis", [redis_server_binary(), "--port", str(port), "--bind",
                                        "127.0.0.1", "--save", "", "--dir", str(var)], env)
             broker = f"redis://127.0.0.1:{port}/0"
-            sup.wait_ready({"redis": lambda: redis_answers(broker)}, 30, on_ready)
+            sup.wait_ready({"redis": lambda: redis_answers(broker)}, 30,
+                           lambda name, took: on_ready(f"{name} {broker}", took))
             del proc
         env["LEASEKEEPER_BROKER_URL"] = broker
         from models.migrate import upgrade
@@ -263,8 +266,6 @@ def embedded_backend(settings: Settings, extra_env: dict[str, str],
         upgrade(settings.effective_store_url)
         auth = (settings.flower_basic_auth.get_secret_value() if settings.flower_basic_auth
                 else f"admin:{secrets.token_urlsafe(12)}")
-        flower_port, note = choose_flower_port(settings)
-        notes += [note] if note else []
         node = node_name()
         for name in ("worker", "beat"):
             sup.start(name, _argv(name, var, node), env)
