@@ -11,7 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from celery import Celery
-from celery.signals import beat_init, worker_init, worker_process_init
+from celery.signals import (
+    after_setup_logger,
+    after_setup_task_logger,
+    beat_init,
+    worker_init,
+    worker_process_init,
+)
 
 from workers.beat import beat_max_interval_s, beat_schedule
 from workers.settings import Settings, get_settings
@@ -62,6 +68,18 @@ def create_app(settings: Settings | None = None) -> Celery:
 
 
 app = create_app()
+
+
+@after_setup_logger.connect
+@after_setup_task_logger.connect
+def _log_format(logger: Any, **_: Any) -> None:
+    # JSON lines, task ids, the rotating file: see workers/logs.py.
+    import sys
+
+    from workers.logs import adopt_handlers
+
+    process = "beat" if "beat" in sys.argv else "worker"
+    adopt_handlers(logger, process, get_settings())
 
 
 @worker_init.connect

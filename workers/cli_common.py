@@ -46,14 +46,20 @@ def exit_code_for(exc: LeasekeeperError) -> ExitCode:
 def run_cli(app: Callable[[], Any]) -> None:
     """Run the root app, turning the errors leasekeeper raises on purpose into one line;
     first warn about LEASEKEEPER_* variables no setting reads."""
+    import logging
+    import os
+
+    from workers.logs import configure_cli_logging
     from workers.settings import unknown_variables
 
+    configure_cli_logging(os.environ.get("LEASEKEEPER_LOG_FORMAT", "text"))
+    log = logging.getLogger("leasekeeper.cli")
     for warning in unknown_variables():
-        typer.echo(f"leasekeeper: warning: {warning}", err=True)
+        log.warning("%s", warning)
     try:
         app()
     except LeasekeeperError as exc:
-        typer.echo(f"leasekeeper: {exc}", err=True)
+        log.error("%s", exc)
         sys.exit(exit_code_for(exc))
 
 

@@ -201,5 +201,8 @@ def flower(
         raise ConfigError(f"port {port} is taken by another process (another Flower?): stop "
                           "it, or choose another with --port or LEASEKEEPER_FLOWER_PORT")
     env = {**os.environ, "FLOWER_BASIC_AUTH": auth}  # by environment: not in `ps`
+    logs = ([f"--log_file_prefix={settings.log_file.resolve()}",  # tornado rotates it
+             f"--log_file_max_size={settings.log_file_max_bytes}",
+             f"--log_file_num_backups={settings.log_file_backups}"] if settings.log_file else [])
     os.execve(sys.executable, [sys.executable, "-m", "celery", "-A", "workers.app", "flower",  # noqa: S606
-                               f"--port={port}", f"--address={address}"], env)
+                               f"--port={port}", f"--address={address}", *logs], env)

@@ -31,6 +31,8 @@ import redis
 from providers.errors import ConfigError
 from workers.settings import Settings
 
+# They write a size-rotated log (worker, beat: workers/logs.py; Flower: tornado's options).
+ROTATING = frozenset({"worker", "beat", "flower"})
 READY_TIMEOUT_S = 180.0  # the worker imports every provider; slow on a loaded host
 TAIL_LINES = 15
 
@@ -86,18 +88,30 @@ class Supervisor:
     def log(self, name: str) -> Path:
         return self.logdir / f"{name}.log"
 
+    def output(self, name: str) -> Path:
+        """Where a child's stdout and stderr go: its log, unless it rotates its own log
+        (worker, beat: LEASEKEEPER_LOG_FILE), then only what comes before logging starts."""
+        return self.logdir / f"{name}.{'out' if name in ROTATING else 'log'}"
+
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         self.logdir.mkdir(parents=True, exist_ok=True)
-        with open(self.log(name), "ab") as log:  # the child keeps its own fd
+        if name in ROTATING:
+            env = {**env, "LEASEKEEPER_LOG_FILE": str(self.log(name))}
+        with open(self.output(name), "ab") as log:  # the child keeps its own fd
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         self.procs[name] = proc
         return proc
 
+    def tails(self, name: str) -> str:
+        paths = dict.fromkeys([self.output(name), self.log(name)])
+        return "\n".join(f"the end of {path}:\n{tail(path)}" for path in paths
+                         if path.exists() and path.stat().st_size)
+
     def failed(self, name: str) -> ConfigError:
         proc = self.procs[name]
         return ConfigError(f"{name} exited with code {proc.returncode} before it was ready; "
-                           f"the end of {self.log(name)}:\n{tail(self.log(name))}")
+                           + (self.tails(name) or f"{self.log(name)} is empty"))
 
     def check(self) -> None:
         for name, proc in self.procs.items():
@@ -117,8 +131,8 @@ class Supervisor:
                     on_ready(name, time.monotonic() - started)
             if time.monotonic() - started > timeout_s:
                 name = next(iter(pending))
-                raise ConfigError(f"{name} was not ready within {timeout_s:.0f} s; the end of "
-                                  f"{self.log(name)}:\n{tail(self.log(name))}")
+                raise ConfigError(f"{name} was not ready within {timeout_s:.0f} s; "
+                                  + (self.tails(name) or f"{self.log(name)} is empty"))
             time.sleep(0.2)
 
     def stop(self, names: list[str] | None = None) -> None:

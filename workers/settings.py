@@ -39,8 +39,12 @@ class Settings(BaseSettings):
     result_backend_url: str | None = None
     store_url: str | None = None
     var_dir: Path = Path(".var")
-    # Log lines as plain text, or one JSON object a line (workers/logs.py).
+    # Log lines as plain text, or one JSON object a line (workers/logs.py); worker and beat
+    # write to log_file instead of stderr when it is set, rotated at log_file_max_bytes.
     log_format: Literal["text", "json"] = "text"
+    log_file: Path | None = None
+    log_file_max_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
+    log_file_backups: int = Field(default=3, ge=0)
 
     # Flower, as `leasekeeper up` starts it (0 = any free port). Basic auth is always on.
     flower_port: int = Field(default=5555, ge=0, le=65535)
