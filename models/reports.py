@@ -106,3 +106,12 @@ def overview(store: Store, abandoned_limit: int = 10) -> Overview:
                           .order_by(Lease.updated_at).limit(1))
     total = sum(leases.get(LeaseState.ABANDONED, {}).values())
     return Overview(leases, runs, abandoned, total, oldest)
+
+
+def lease_ids_starting(store: Store, prefix: str, limit: int = 2) -> list[str]:
+    """Lease ids that start with ``prefix`` (at most ``limit``), to resolve a short id."""
+    escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    with store.tx() as s:
+        return list(s.scalars(select(Lease.lease_id)
+                              .where(Lease.lease_id.like(f"{escaped}%", escape="\\"))
+                              .order_by(Lease.lease_id).limit(limit)))

@@ -90,11 +90,33 @@ def leases_list(state: StateOpt = None, provider: ProviderOpt = None, tenant: Te
     typer.echo(f"{len(page.rows)} of {page.total} lease(s){more}")
 
 
+MIN_PREFIX = 8
+
+
+def resolve(lease_id: str) -> Lease:
+    """The lease with this id, or the only one whose id starts with it (8+ characters)."""
+    from models.reports import lease_ids_starting
+    from providers.errors import NotFound
+
+    store = runtime().store
+    lease = store.find_lease(lease_id)
+    if lease is not None:
+        return lease
+    matches = lease_ids_starting(store, lease_id) if len(lease_id) >= MIN_PREFIX else []
+    if len(matches) == 1:
+        return store.get_lease(matches[0])
+    raise NotFound(f"no lease {lease_id[:64]!r} in the store"
+                   + ("; several ids start with it: give more of it" if matches else
+                      "; `leasekeeper leases list` shows the ids"))
+
+
 @leases_cli.command("show")
 def leases_show(lease_id: str, as_json: JsonOpt = False) -> None:
-    """A lease's fields, its run, and its whole history (with the task id of each change)."""
+    """A lease's fields, its run, and its whole history (with the task id of each change).
+    The id may be shortened to a unique prefix of 8 or more characters."""
     rt = runtime()
-    lease = rt.store.get_lease(lease_id)
+    lease = resolve(lease_id)
+    lease_id = lease.lease_id
     run = rt.store.get_run(lease.run_id) if lease.run_id else None
     events = rt.store.events(lease_id)
     if as_json:
@@ -131,7 +153,8 @@ def _run_text(run: Run | None) -> str:
 
 @leases_cli.command("destroy")
 def leases_destroy(
-    lease_id: Annotated[str | None, typer.Argument(help="The lease to destroy.")] = None,
+    lease_id: Annotated[str | None, typer.Argument(
+        help="The lease to destroy (or a unique prefix of 8+ characters).")] = None,
     state: StateOpt = None, provider: ProviderOpt = None, tenant: TenantOpt = None,
     older_than: OlderOpt = None, limit: LimitOpt = 100,
     yes: Annotated[bool, typer.Option("--yes", help="Really destroy every lease that "
@@ -150,7 +173,7 @@ def leases_destroy(
     if lease_id is not None:
         if state or provider or tenant or older_than:
             raise typer.BadParameter("give a lease id or filters, not both")
-        targets = [rt.store.get_lease(lease_id)]
+        targets = [resolve(lease_id)]
     else:
         if not state:
             raise typer.BadParameter("give a lease id, or --state (and other filters) with "

@@ -20,7 +20,7 @@ from typing import Annotated
 
 import typer
 
-from providers.errors import ConfigError
+from providers.errors import ConfigError, LeasekeeperError
 from workers.settings import Settings, env_file_path, get_settings, load_settings
 
 # Short sweep intervals and detach TTL so the demo shows reaping within seconds. Only the
@@ -156,7 +156,7 @@ def _what_stays_running() -> None:
                             LeaseState.PENDING_CLEANUP, LeaseState.DESTROYING])
     sandboxes = []
     for name in rt.settings.providers:
-        with contextlib.suppress(Exception):  # a provider that cannot list says nothing
+        with contextlib.suppress(LeasekeeperError, OSError):  # one that cannot list: silent
             sandboxes += [r.name for r in rt.provider(name).list_managed()
                           if r.meta.get("alive", True)]
     if not live and not sandboxes:
