@@ -16,19 +16,8 @@ def register(cli: typer.Typer) -> None:
 @db_cli.command("upgrade")
 def db_upgrade(revision: str = "head") -> None:
     """Apply migrations to LEASEKEEPER_STORE_URL (default: SQLite in LEASEKEEPER_VAR_DIR)."""
-    from sqlalchemy.exc import SQLAlchemyError
-
-    from models.migrate import upgrade
-    from providers.errors import StoreUnavailable
-    from workers.preflight import check_driver, shown
+    from workers.preflight import migrate, shown
 
     url = get_settings().effective_store_url
-    check_driver(url)
-    try:
-        upgrade(url, revision)
-    except SQLAlchemyError as exc:
-        orig = getattr(exc, "orig", None) or exc
-        raise StoreUnavailable(
-            f"cannot migrate the store {shown(url)} (LEASEKEEPER_STORE_URL): "
-            f"{type(orig).__name__}: {str(orig).strip().splitlines()[0][:200]}") from None
+    migrate(url, revision)
     typer.echo(f"store {shown(url)} is at {revision}")

@@ -273,11 +273,9 @@ def embedded_backend(settings: Settings, extra_env: dict[str, str],
                            lambda name, took: on_ready(f"{name} {broker}", took))
             del proc
         env["LEASEKEEPER_BROKER_URL"] = broker
-        from models.migrate import upgrade
-        from workers.preflight import check_driver
+        from workers.preflight import migrate
 
-        check_driver(settings.effective_store_url)
-        upgrade(settings.effective_store_url)
+        migrate(settings.effective_store_url)
         auth = (settings.flower_basic_auth.get_secret_value() if settings.flower_basic_auth
                 else f"admin:{secrets.token_urlsafe(12)}")
         node = node_name()

@@ -65,6 +65,20 @@ def check_driver(url: str) -> None:
         ) from None
 
 
+def migrate(url: str, revision: str = "head") -> None:
+    """`leasekeeper db upgrade` (and `up`): the driver checked first, failures in one line."""
+    from models.migrate import upgrade
+
+    check_driver(url)
+    try:
+        upgrade(url, revision)
+    except SQLAlchemyError as exc:
+        orig = getattr(exc, "orig", None) or exc
+        raise StoreUnavailable(
+            f"cannot migrate the store {shown(url)} (LEASEKEEPER_STORE_URL): "
+            f"{type(orig).__name__}: {str(orig).strip().splitlines()[0][:200]}") from None
+
+
 def check_store(url: str) -> None:
     check_driver(url)
     parsed = make_url(url)

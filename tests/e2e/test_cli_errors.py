@@ -151,3 +151,15 @@ def test_an_invalid_filter_is_refused_naming_the_known_values(tmp_path: Path) ->
     done = leasekeeper("leases", "list", "--older-than", "two hours",
                        env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path)))
     assert done.returncode == 2 and "not a duration" in done.stderr
+
+
+def test_db_upgrade_with_postgres_down_names_the_address_without_the_password(
+        tmp_path: Path) -> None:
+    port = closed_port()
+    done = leasekeeper("db", "upgrade", env=cli_env(
+        LEASEKEEPER_STORE_URL=f"postgresql+psycopg://lk:secret-pw@127.0.0.1:{port}/lk",
+        LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    assert done.returncode == 3
+    err = short_error(done, "cannot migrate the store", f"127.0.0.1:{port}",
+                      "LEASEKEEPER_STORE_URL")
+    assert "secret-pw" not in err
