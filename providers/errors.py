@@ -7,6 +7,7 @@
      ├── NotFound                   a lease or run id the store does not know
      ├── StoreError
      │    └── StoreUnavailable      the database went away or is locked (transient)
+     ├── BrokerUnavailable          Redis (broker, results) is unreachable (transient)
      └── ProviderError              raised only at a provider boundary
           ├── TransientProviderError   429, 5xx, timeouts, dropped connections (retry)
           ├── TerminalProviderError    400/401/403/422, bad specs (fail now)
@@ -61,6 +62,10 @@ class StoreError(LeasekeeperError):
 
 class StoreUnavailable(StoreError):
     """The database is unreachable, restarting or locked; retrying later may succeed."""
+
+
+class BrokerUnavailable(LeasekeeperError):
+    """The broker (Redis) cannot be reached; nothing was sent. Retrying later may succeed."""
 
 
 class ProviderError(LeasekeeperError):
@@ -180,7 +185,7 @@ class SandboxReclaimFailedError(ProviderError):
 # Read by the retry policy: these (and DestroyIncomplete whose parts are all transient)
 # are retried with backoff; everything else fails at once with its reason.
 TRANSIENT_ERRORS: frozenset[type[BaseException]] = frozenset(
-    {TransientProviderError, StoreUnavailable}
+    {TransientProviderError, StoreUnavailable, BrokerUnavailable}
 )
 
 

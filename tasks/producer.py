@@ -4,7 +4,8 @@ Every function validates its input before anything reaches the broker (raising
 ``InvalidRequest`` with what was wrong) and returns the Celery ``AsyncResult``. Secrets in
 a spec travel only in the message body; Flower, events and logs see them redacted.
 A backend without leasekeeper installed can ``send_task`` the same names with the JSON
-payloads documented in the README.
+payloads documented in the README. With the broker down, every call raises
+``BrokerUnavailable`` (transient: retry later) at once, instead of hanging (see ``_send``).
 """
 
 from __future__ import annotations
@@ -12,9 +13,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import redis
+from celery import Task
 from celery.result import AsyncResult
+from kombu.exceptions import OperationalError
 
-from providers.errors import InvalidRequest
+from providers.errors import BrokerUnavailable, InvalidRequest
 from providers.spec import SandboxSpec, check_id
 from tasks.acquire import acquire, parse_acquire
 from tasks.destroy import destroy
@@ -35,6 +39,28 @@ def _id(kind: str, value: object) -> str:
         raise InvalidRequest(str(exc)) from None
 
 
+def _send(task: Task, kwargs: dict[str, Any]) -> AsyncResult:
+    """Enqueue, or raise BrokerUnavailable at once. One PING first: Celery would otherwise
+    spend seconds retrying the result backend's subscription before failing with a
+    RuntimeError."""
+    try:
+        client = getattr(task.app.backend, "client", None)  # the Redis result backend's
+        if client is not None:
+            client.ping()
+        return task.apply_async(kwargs=kwargs)
+    except (redis.ConnectionError, redis.TimeoutError, OperationalError) as exc:
+        raise BrokerUnavailable(broker_unreachable(task.app.conf.broker_url, exc)) from None
+
+
+def broker_unreachable(url: str, exc: BaseException) -> str:
+    """The one-line message for a broker that cannot be reached (no password shown)."""
+    from kombu.utils.url import maybe_sanitize_url
+
+    reason = str(exc).split(". ")[-1].strip(". ") or type(exc).__name__
+    return (f"the broker at {maybe_sanitize_url(url)} (LEASEKEEPER_BROKER_URL) is unreachable "
+            f"({reason}); nothing was sent. Start Redis there or fix the URL, then retry")
+
+
 def acquire_lease(run_id: str, spec: SandboxSpec | Mapping[str, Any] | None = None
                   ) -> AsyncResult:
     run_id, parsed = parse_acquire(run_id, dict(spec) if isinstance(spec, Mapping) else spec)
@@ -44,36 +70,36 @@ def acquire_lease(run_id: str, spec: SandboxSpec | Mapping[str, Any] | None = No
             f"unknown provider {parsed.provider!r}: this installation enables "
             f"{', '.join(providers)} (LEASEKEEPER_PROVIDERS)"
         )
-    return acquire.apply_async(kwargs={"run_id": run_id, "spec": parsed.to_payload()})
+    return _send(acquire, {"run_id": run_id, "spec": parsed.to_payload()})
 
 
 def check_resumable(lease_id: str) -> AsyncResult:
-    return resume_check.apply_async(kwargs={"lease_id": _id("lease_id", lease_id)})
+    return _send(resume_check, {"lease_id": _id("lease_id", lease_id)})
 
 
 def destroy_lease(lease_id: str, reason: str = "requested") -> AsyncResult:
-    return destroy.apply_async(kwargs={"lease_id": _id("lease_id", lease_id),
+    return _send(destroy, {"lease_id": _id("lease_id", lease_id),
                                        "reason": str(reason)[:200]})
 
 
 def finish_run(run_id: str, status: str, exit_code: int | None = None,
                error: str | None = None) -> AsyncResult:
     run_id, parsed = parse_finish(run_id, status, exit_code)
-    return _finish.apply_async(kwargs={"run_id": run_id, "status": parsed.value,
+    return _send(_finish, {"run_id": run_id, "status": parsed.value,
                                        "exit_code": exit_code, "error": error})
 
 
 def detach_run(run_id: str) -> AsyncResult:
-    return _detach.apply_async(kwargs={"run_id": _id("run_id", run_id)})
+    return _send(_detach, {"run_id": _id("run_id", run_id)})
 
 
 def attach_run(run_id: str) -> AsyncResult:
-    return _attach.apply_async(kwargs={"run_id": _id("run_id", run_id)})
+    return _send(_attach, {"run_id": _id("run_id", run_id)})
 
 
 def touch_lease(lease_id: str) -> AsyncResult:
-    return _touch.apply_async(kwargs={"lease_id": _id("lease_id", lease_id)})
+    return _send(_touch, {"lease_id": _id("lease_id", lease_id)})
 
 
 def reclaim_run(run_id: str) -> AsyncResult:
-    return reclaim.apply_async(kwargs={"run_id": _id("run_id", run_id)})
+    return _send(reclaim, {"run_id": _id("run_id", run_id)})

@@ -115,6 +115,9 @@ def run_sweep(name: str, body: SweepBody, ctx: SweepContext) -> Summary:
             return {"sweep": name, "run": SweepRun.SKIPPED.value, "took_ms": 0}
         tally = body(ctx)
     summary = _summary(name, SweepRun.RAN, tally, started)
+    from workers.heartbeats import mark_sweep  # read by `leasekeeper status`
+
+    mark_sweep(ctx.rt.redis(), ctx.rt.settings.task_queue, summary)
     if any(tally.counts.values()):
         log.info("%s: %s", name, {k: v for k, v in summary.items() if k != "items"})
     return summary

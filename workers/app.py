@@ -19,13 +19,14 @@ from celery import Celery
 from celery.signals import (
     after_setup_logger,
     after_setup_task_logger,
+    beat_init,
     celeryd_after_setup,
     worker_init,
     worker_process_init,
 )
 from kombu.utils.url import maybe_sanitize_url
 
-from workers.beat import beat_schedule
+from workers.beat import beat_max_interval_s, beat_schedule
 from workers.queues import LaneRouter, task_queues
 from workers.settings import Settings, get_settings
 
@@ -69,6 +70,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "beat_schedule": beat_schedule(settings),
         # Under the var dir, not whatever directory beat was started in.
         "beat_schedule_filename": str(settings.beat_schedule_file),
+        "beat_scheduler": "workers.beat:HeartbeatScheduler",
+        "beat_max_loop_interval": beat_max_interval_s(settings),
         "timezone": "UTC",
         "enable_utc": True,
     }
@@ -86,9 +89,16 @@ app = create_app()
 
 @after_setup_logger.connect
 @after_setup_task_logger.connect
-def _redact_logs(logger: logging.Logger, **_: Any) -> None:
-    from tasks.redaction import install_filter
+def _set_up_logs(logger: logging.Logger, **_: Any) -> None:
+    # JSON lines, task ids, the rotating file (workers/logs.py); then redaction on every
+    # handler that results (tasks/redaction.py), so no handler escapes it.
+    import sys
 
+    from tasks.redaction import install_filter
+    from workers.logs import adopt_handlers
+
+    process = "beat" if "beat" in sys.argv else "worker"
+    adopt_handlers(logger, process, get_settings())
     install_filter(logger)
     # The var dir holds beat's schedule file (opened right after logging is set up). If
     # it cannot be made, the process using it reports that itself, naming the path.
@@ -105,6 +115,14 @@ def _say_which_broker(**_: Any) -> None:
         "leasekeeper worker: broker %s (from %s), queue %s, store %s",
         maybe_sanitize_url(settings.effective_broker_url), settings.broker_source(),
         settings.task_queue, maybe_sanitize_url(settings.effective_store_url))
+
+
+@worker_init.connect
+@beat_init.connect
+def _warn_unknown_settings(**_: Any) -> None:
+    from workers.settings import warn_unknown_variables
+
+    warn_unknown_variables()
 
 
 @worker_init.connect

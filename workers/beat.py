@@ -1,10 +1,15 @@
-"""The celery beat schedule: one entry per sweep, intervals from settings."""
+"""The celery beat schedule (one entry per sweep, intervals from settings), and the
+scheduler that marks beat alive in Redis on every tick (read by `leasekeeper health --beat`).
+"""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from workers.settings import Settings
+from celery.beat import PersistentScheduler
+
+from workers.settings import Settings, get_settings
 
 SWEEPS = {
     "sweep.reap_runs": "reap_runs_interval_s",
@@ -27,3 +32,40 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
             "options": {"expires": interval_s},
         }
     return schedule
+
+
+class HeartbeatScheduler(PersistentScheduler):  # type: ignore[misc]
+    """Celery's persistent scheduler that also writes ``leasekeeper:<queue>:beat`` (see
+    workers/heartbeats.py) at most once a second; the mark expires after three of beat's
+    longest sleeps, so a dead beat shows as dead."""
+
+    _marked_at = 0.0
+    _client: Any = None
+
+    def tick(self, *args: Any, **kwargs: Any) -> float:
+        sleep_s: float = super().tick(*args, **kwargs)
+        now = time.monotonic()
+        if now - self._marked_at >= 1.0:
+            from workers.heartbeats import mark_beat
+
+            settings = get_settings()
+            if self._client is None:
+                self._client = _redis(settings)
+            mark_beat(self._client, settings.task_queue,
+                      3 * max(self.max_interval, sleep_s, 1.0),
+                      started=None if self._marked_at else time.time())
+            self._marked_at = now
+        return sleep_s
+
+
+def beat_max_interval_s(settings: Settings) -> float:
+    """Beat never sleeps longer than its shortest sweep interval (nor 60 s), so its mark
+    stays fresh."""
+    return min(60.0, *(float(getattr(settings, f)) for f in SWEEPS.values()))
+
+
+def _redis(settings: Settings) -> Any:
+    import redis
+
+    return redis.Redis.from_url(settings.effective_broker_url, socket_timeout=5,
+                                socket_connect_timeout=5)

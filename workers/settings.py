@@ -1,13 +1,20 @@
 """Typed settings for every leasekeeper process, read from ``LEASEKEEPER_*`` variables.
 
 Units live in the names (``_s`` seconds). Invalid values fail at start-up with a message
-naming the variable, see :func:`load_settings`.
+naming the variable, see :func:`load_settings`. Besides the environment, settings come from
+the env file ``leasekeeper up`` writes (``$LEASEKEEPER_VAR_DIR/env``, default ``.var/env``,
+relative to the working directory); a variable set in the environment wins over it.
+Unknown ``LEASEKEEPER_*`` variables are warned about, with the closest known name.
 """
 
 from __future__ import annotations
 
+import difflib
 import functools
+import logging
+import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -19,6 +26,9 @@ from providers.errors import ConfigError
 ENV_PREFIX = "LEASEKEEPER_"
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?$")
+# Store URL schemes leasekeeper runs on (SQLAlchemy dialect names).
+STORE_SCHEMES = ("sqlite", "postgresql")
+log = logging.getLogger("leasekeeper.settings")
 
 
 class Settings(BaseSettings):
@@ -29,6 +39,12 @@ class Settings(BaseSettings):
     result_backend_url: str | None = None
     store_url: str | None = None
     var_dir: Path = Path(".var")
+    # Log lines as plain text, or one JSON object a line (workers/logs.py); worker and beat
+    # write to log_file instead of stderr when it is set, rotated at log_file_max_bytes.
+    log_format: Literal["text", "json"] = "text"
+    log_file: Path | None = None
+    log_file_max_bytes: int = Field(default=10 * 1024 * 1024, gt=0)
+    log_file_backups: int = Field(default=3, ge=0)
 
     # Flower, as `leasekeeper up` starts it (0 = any free port). Basic auth is always on.
     flower_port: int = Field(default=5555, ge=0, le=65535)
@@ -130,6 +146,20 @@ class Settings(BaseSettings):
             return [p.strip() for p in value.split(",") if p.strip()]
         return value
 
+    @field_validator("store_url")
+    @classmethod
+    def _supported_store(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        scheme = value.split(":", 1)[0].split("+", 1)[0].lower()
+        if scheme not in STORE_SCHEMES:
+            raise ValueError(
+                f"{scheme or value[:20]!r} is not a store leasekeeper supports; use "
+                "sqlite:////path/to/leasekeeper.db or "
+                "postgresql+psycopg://user:password@host:5432/db"
+            )
+        return value
+
     @field_validator("installation_id")
     @classmethod
     def _dns_safe_installation(cls, value: str) -> str:
@@ -187,17 +217,55 @@ class Settings(BaseSettings):
         return self.broker_url
 
 
-def load_settings() -> Settings:
-    """Read settings from the environment; raise ConfigError naming each bad variable."""
+def env_file_path() -> Path:
+    """Where `leasekeeper up` writes the settings its clients need (broker, store)."""
+    return Path(os.environ.get(f"{ENV_PREFIX}VAR_DIR") or ".var") / "env"
+
+
+def load_settings(read_env_file: bool = True) -> Settings:
+    """Read settings from the environment (and the env file `leasekeeper up` wrote, unless
+    ``read_env_file`` is false); raise ConfigError naming each bad variable."""
+    env_file = env_file_path() if read_env_file else None
     try:
-        return Settings()
+        return Settings(_env_file=env_file if env_file and env_file.is_file()  # type: ignore[call-arg]
+                        else None)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
             field = "_".join(str(p) for p in err["loc"]) if err["loc"] else ""
             name = f"{ENV_PREFIX}{field.upper()}" if field else "settings"
-            problems.append(f"{name}: {err['msg']}")
+            problems.append(f"{name}: {err['msg'].removeprefix('Value error, ')}")
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None
+
+
+# LEASEKEEPER_* names that are not settings but are read elsewhere: a sandbox's own
+# environment, docker compose, the test and build harnesses.
+NOT_SETTINGS = frozenset({"BOOTSTRAP_TOKEN", "LEASE_ID", "WORKSPACE", "POSTGRES_PASSWORD",
+                          "KUBE_BIN_DIR", "KUBE_SRC_VERSION", "CACHE_DIR"})
+NOT_SETTINGS_PREFIXES = ("TEST_", "CHAOS_")
+
+
+def unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One warning per LEASEKEEPER_* variable no setting reads, with the closest name."""
+    known = {name.upper() for name in Settings.model_fields}
+    warnings = []
+    for var in sorted(os.environ if environ is None else environ):
+        if not var.startswith(ENV_PREFIX):
+            continue
+        name = var.removeprefix(ENV_PREFIX)
+        if name in known or name in NOT_SETTINGS or name.startswith(NOT_SETTINGS_PREFIXES):
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else ""
+        warnings.append(f"{var} is not a leasekeeper setting and is ignored{hint}")
+    return warnings
+
+
+def warn_unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    warnings = unknown_variables(environ)
+    for warning in warnings:
+        log.warning("%s", warning)
+    return warnings
 
 
 @functools.cache

@@ -1,9 +1,14 @@
-"""End-to-end helpers: wait for a store condition with a monotonic deadline."""
+"""End-to-end helpers: wait for a store condition with a monotonic deadline; run the
+`leasekeeper` command as a child process, with a clean environment."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -19,3 +24,21 @@ def eventually(probe: Callable[[], T | None], timeout_s: float = 30.0, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.05)
+
+
+HIDDEN_PACKAGES = Path(__file__).resolve().parent / "hidden_packages"
+
+
+def cli_env(**settings: str) -> dict[str, str]:
+    """The environment of a `leasekeeper` child: no LEASEKEEPER_* from the test session."""
+    from tests.stack import REPO
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEKEEPER_")}
+    return {**env, "PYTHONPATH": str(REPO), **settings}
+
+
+def leasekeeper(*args: str, env: dict[str, str], cwd: Path | None = None,
+                timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
+    """Run the `leasekeeper` command as a user would (a child process)."""
+    return subprocess.run([sys.executable, "-m", "workers.cli", *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=timeout_s, check=False)

@@ -1,40 +1,257 @@
-"""`leasekeeper up --demo N --exit-after-demo`: the embedded backend, end to end."""
+"""`leasekeeper up`: the embedded backend end to end, as a new user drives it from one
+directory: up, a producer call and the operator CLI from another process (through the env
+file up writes), Ctrl-C, the demo, a second up, a child that cannot start."""
 
 from __future__ import annotations
 
+import base64
+import contextlib
+import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.e2e.conftest import HIDDEN_PACKAGES, cli_env, eventually, leasekeeper
 from tests.stack import REPO
 
 
-@pytest.mark.timeout(240)
+class Up:
+    """A `leasekeeper up` child process whose output is read as it comes."""
+
+    def __init__(self, cwd: Path, env: dict[str, str], *args: str) -> None:
+        self.out = cwd / f"up-{time.monotonic_ns()}.out"
+        with open(self.out, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "up", *args],
+                                         cwd=cwd, env=env, stdout=out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    @property
+    def text(self) -> str:
+        return self.out.read_text()
+
+    def wait_for(self, needle: str, timeout_s: float = 240) -> str:
+        def seen() -> str | None:
+            if needle in self.text:
+                return self.text
+            assert self.proc.poll() is None, f"up exited {self.proc.returncode}:\n{self.text}"
+            return None
+        return eventually(seen, timeout_s, f"{needle!r} from up")
+
+    def interrupt(self) -> str:
+        """Ctrl-C, as in a terminal; up stops its children and says what stays running."""
+        os.kill(self.proc.pid, signal.SIGINT)
+        self.proc.wait(120)
+        return self.text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:  # up stops its own children on SIGTERM
+            os.kill(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+@contextlib.contextmanager
+def up(cwd: Path, env: dict[str, str], *args: str) -> Iterator[Up]:
+    process = Up(cwd, env, *args)
+    try:
+        yield process
+    finally:
+        process.stop()
+
+
+def user_env(**settings: str) -> dict[str, str]:
+    return cli_env(**settings)
+
+
+def broker_port(text: str) -> int:
+    return int(re.search(r"redis://127\.0\.0\.1:(\d+)/", text).group(1))  # type: ignore[union-attr]
+
+
+def assert_closed(port: int) -> None:
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def flower_status(url: str, auth: str) -> int:
+    request = urllib.request.Request(f"{url}/api/workers?refresh=false", headers={
+        "Authorization": "Basic " + base64.b64encode(auth.encode()).decode()})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as answer:
+            return int(answer.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+@pytest.mark.timeout(400)
 def test_up_runs_the_demo_and_leaves_nothing_running(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LEASEKEEPER_")}
-    env |= {"LEASEKEEPER_VAR_DIR": str(tmp_path), "LEASEKEEPER_FLOWER_PORT": "0",
-            "PYTHONPATH": str(REPO)}
+    env = user_env(LEASEKEEPER_FLOWER_PORT="0")
     done = subprocess.run([sys.executable, "-m", "workers.cli", "up", "--demo", "5",
                            "--exit-after-demo"], env=env, capture_output=True, text=True,
-                          timeout=200, cwd=REPO, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "demo: every lease reached its expected state" in done.stdout
-    assert done.stdout.count("  ok  lease") == 5
-    assert "Flower: http://127.0.0.1:" in done.stdout
-    assert re.search(r"metrics: http://127\.0\.0\.1:\d+/metrics; lease console: "
-                     r"http://127\.0\.0\.1:\d+/", done.stdout), done.stdout
-    credentials = (tmp_path / "flower-credentials").read_text().strip()
-    assert credentials.split(":", 1)[1] not in done.stdout  # the password is not printed
-    assert not any((tmp_path / "sandboxes").iterdir())  # every sandbox directory is gone
-    # Every child process is gone: nothing listens on their ports any more.
-    port = int(re.search(r"broker redis://127\.0\.0\.1:(\d+)/", done.stdout).group(1))
+                          timeout=300, cwd=tmp_path, check=False)
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
+    assert "demo: every lease reached its expected state" in out
+    assert out.count("  ok  lease") == 5
+    # Every line is timestamped; ids are whole (what `leases show` takes); the failed run
+    # shows its status and exit code.
+    assert all(re.match(r"^\d\d:\d\d:\d\d ", line) for line in out.splitlines()
+               if line and not line.startswith(("  export", "In another", "Elsewhere"))), out
+    assert re.search(r"ok  lease [0-9a-f]{32} destroyed .*run failed exit 3", out), out
+    assert "Flower: http://127.0.0.1:" in out
+    credentials = (tmp_path / ".var" / "flower-credentials").read_text().strip()
+    assert credentials.split(":", 1)[1] not in out  # the password is not printed
+    assert not any((tmp_path / ".var" / "sandboxes").iterdir())  # every sandbox is gone
+    assert not (tmp_path / ".var" / "env").exists()  # removed when up stops
     observers = re.search(r"metrics: http://127\.0\.0\.1:(\d+)/metrics; lease console: "
-                          r"http://127\.0\.0\.1:(\d+)/", done.stdout)
-    for listened in (port, *map(int, observers.groups())):  # Redis, exporter, console
-        with pytest.raises(OSError):
-            socket.create_connection(("127.0.0.1", listened), timeout=1).close()
+                          r"http://127\.0\.0\.1:(\d+)/", out)
+    assert observers, out
+    # Every child is gone: nothing listens on its Redis, exporter or console port.
+    for port in (broker_port(out), *map(int, observers.groups())):
+        assert_closed(port)
+
+
+@pytest.mark.timeout(900)
+def test_a_new_users_hour_from_one_directory(tmp_path: Path) -> None:
+    """up; a producer call and the CLI in other processes find it through .var/env;
+    Ctrl-C says what stays running; the next up's demo counts only its own sandboxes;
+    `leases destroy` ends the leftover lease."""
+    env = user_env(LEASEKEEPER_FLOWER_PORT="0")
+    with up(tmp_path, env) as first:
+        first.wait_for("press Ctrl-C to stop")
+        assert "export LEASEKEEPER_BROKER_URL=redis://127.0.0.1:" in first.text
+        assert (tmp_path / ".var" / "env").is_file()
+        acquire = subprocess.run(
+            [sys.executable, "-c", "from tasks import producer; import json; print(json.dumps("
+             "producer.acquire_lease('kept-1', {'tenant': 'acme'}).get(120)))"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False)
+        assert acquire.returncode == 0, acquire.stderr
+        kept = json.loads(acquire.stdout)["lease_id"]
+        listed = leasekeeper("leases", "list", "--state", "active", "--json", env=env,
+                             cwd=tmp_path)
+        assert listed.returncode == 0, listed.stderr
+        assert [x["lease_id"] for x in json.loads(listed.stdout)["leases"]] == [kept]
+        healthy = leasekeeper("health", "--worker", "--store", "--broker", env=env,
+                              cwd=tmp_path)
+        assert (healthy.returncode, healthy.stdout, healthy.stderr) == (0, "", "")
+        said = first.interrupt()
+    assert first.proc.returncode == 0, said
+    assert "stays running after leasekeeper stops: 1 active lease(s) and 1 sandbox(es)" in said
+    assert f"lk-{kept}" in said and "leasekeeper leases destroy --state active --yes" in said
+    assert not (tmp_path / ".var" / "env").exists()
+
+    # Before: "BAD 1 sandbox(es) still running: lk-01a23a91…" and exit 1.
+    demo = subprocess.run([sys.executable, "-m", "workers.cli", "up", "--demo", "5",
+                           "--exit-after-demo"], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, check=False)
+    assert demo.returncode == 0, demo.stdout + demo.stderr
+    assert "BAD" not in demo.stdout
+
+    with up(tmp_path, env) as third:
+        third.wait_for("press Ctrl-C to stop")
+        destroyed = leasekeeper("leases", "destroy", "--state", "active", "--yes", "--json",
+                                env=env, cwd=tmp_path)
+        assert destroyed.returncode == 0, destroyed.stdout + destroyed.stderr
+        answer = json.loads(destroyed.stdout)
+        assert [(d["lease_id"], d["result"]) for d in answer["destroyed"]] == [
+            (kept, "destroyed")]
+        said = third.interrupt()
+    assert "no lease is live and no sandbox is running" in said
+
+
+@pytest.mark.timeout(600)
+def test_after_the_demo_the_sweeps_run_on_their_normal_intervals(tmp_path: Path) -> None:
+    # Before: 1-2 s sweeps kept running after the demo (~4.6 tasks/s in Flower).
+    env = user_env(LEASEKEEPER_FLOWER_PORT="0")
+    with up(tmp_path, env, "--demo", "1") as running:
+        text = running.wait_for("press Ctrl-C to stop")
+        assert "sweeps back to their intervals: reap_runs 60 s" in text
+        time.sleep(3)  # any tick the restarted beat owed is sent by now
+        before = json.loads(leasekeeper("status", "--json", env=env, cwd=tmp_path).stdout)
+        time.sleep(4)  # four demo intervals of sweep.reap_runs
+        after = json.loads(leasekeeper("status", "--json", env=env, cwd=tmp_path).stdout)
+        ticks = {t["sweep"]: t["last_tick_at"] for t in before["sweeps"]}
+        assert ticks["sweep.reap_runs"] is not None  # it did tick during the demo
+        for tick in after["sweeps"]:
+            # A sweep that ticked again did so a whole normal interval later, not 1-2 s.
+            if tick["last_tick_at"] != ticks[tick["sweep"]]:
+                assert ticks[tick["sweep"]] is not None
+                assert tick["last_tick_at"] - ticks[tick["sweep"]] >= 0.9 * tick["interval_s"]
+        assert {t["sweep"]: t["interval_s"] for t in after["sweeps"]}["sweep.reap_runs"] == 60
+
+
+@pytest.mark.timeout(600)
+def test_a_second_up_gets_its_own_flower_or_fails_naming_the_port(tmp_path: Path) -> None:
+    # Before: the second up's Flower died on "Address already in use" (only in its log)
+    # while the banner printed the first one's URL, whose login then failed.
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        refused = leasekeeper("up", env=user_env(LEASEKEEPER_FLOWER_PORT=str(port),
+                                                 LEASEKEEPER_VAR_DIR=str(tmp_path / "a")))
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert f"LEASEKEEPER_FLOWER_PORT={port}: 127.0.0.1:{port} is taken" in refused.stderr
+        assert "Traceback" not in refused.stderr
+        assert "ready" not in refused.stdout  # it failed before starting anything
+
+    # The default port taken (by another up's Flower, or whatever holds 5555 here): this
+    # up's Flower moves to a free port, and the URL it prints is its own.
+    with contextlib.ExitStack() as stack:
+        holder = socket.socket()
+        stack.callback(holder.close)
+        with contextlib.suppress(OSError):  # 5555 may be taken already: just as good
+            holder.bind(("127.0.0.1", 5555))
+            holder.listen()
+        with up(tmp_path, user_env(LEASEKEEPER_VAR_DIR=str(tmp_path / "b"))) as second:
+            text = second.wait_for("press Ctrl-C to stop")
+            assert "note: port 5555 is taken (another Flower?), so Flower uses" in text
+            url = re.search(r"Flower: (http://127\.0\.0\.1:\d+) ", text).group(1)  # type: ignore[union-attr]
+            assert not url.endswith(":5555")
+            auth = (tmp_path / "b" / "flower-credentials").read_text().strip()
+            assert flower_status(url, auth) == 200
+            second.interrupt()
+
+
+@pytest.mark.timeout(300)
+def test_a_child_that_cannot_start_fails_up_with_its_log(tmp_path: Path) -> None:
+    # Before: "['.../python3', '-m', 'celery', '-A', 'workers.app', 'flow exited with 2
+    # before listening" (cut mid-word; the cause only in flower.log).
+    broken = tmp_path / "site"
+    (broken / "flower").mkdir(parents=True)
+    (broken / "flower" / "__init__.py").write_text(
+        "raise ImportError('flower is broken in this environment')\n")
+    env = user_env(LEASEKEEPER_FLOWER_PORT="0", LEASEKEEPER_VAR_DIR=str(tmp_path / "var"),
+                   PYTHONPATH=f"{broken}:{REPO}")
+    done = leasekeeper("up", env=env, timeout_s=280)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "flower exited with code" in done.stderr
+    assert "before it was ready; the end of" in done.stderr
+    assert "No such command 'flower'" in done.stderr or "flower is broken" in done.stderr
+    assert "Traceback (most recent call last)" not in done.stderr.split("the end of")[0]
+    assert_closed(broker_port(done.stdout))
+
+
+@pytest.mark.timeout(120)
+def test_up_without_flower_installed_names_the_package(tmp_path: Path) -> None:
+    env = user_env(LEASEKEEPER_VAR_DIR=str(tmp_path), LEASEKEEPER_TEST_HIDE_PACKAGES="flower",
+                   PYTHONPATH=f"{HIDDEN_PACKAGES}:{REPO}")
+    done = leasekeeper("up", env=env)
+    assert done.returncode == 2
+    assert "needs the Python package 'flower>=2.0', which is not installed" in done.stderr
+    assert "-m pip install 'flower>=2.0'" in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "logs").exists()  # nothing was started

@@ -1,0 +1,111 @@
+"""The operator CLI against a live stack (a real worker, the session Redis, a real store):
+every read command's --json, the tables, the filters and pages, destroy through the normal
+task path, status and health with their exit codes."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any
+
+import pytest
+
+from tests.e2e.conftest import leasekeeper
+from tests.stack import WorkerStack
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def cli(stack: WorkerStack, *args: str, code: int = 0) -> str:
+    done = leasekeeper(*args, env=stack.env)
+    assert done.returncode == code, f"{args}: {done.returncode}\n{done.stdout}{done.stderr}"
+    assert "Traceback" not in done.stderr
+    return done.stdout
+
+
+def cli_json(stack: WorkerStack, *args: str, code: int = 0) -> Any:
+    return json.loads(cli(stack, *args, "--json", code=code))
+
+
+def test_the_operator_cli_on_a_live_stack(stack: WorkerStack) -> None:
+    from tasks import producer
+
+    tenant = f"cli-{uuid.uuid4().hex[:8]}"
+    runs = [f"{tenant}-run-{i}" for i in range(2)]
+    leases = [producer.acquire_lease(run, {"tenant": tenant, "thread_id": run}).get(120)
+              ["lease_id"] for run in runs]
+
+    # leases list: filters, a page at a time, newest first.
+    page = cli_json(stack, "leases", "list", "--tenant", tenant, "--limit", "1")
+    assert (page["total"], page["limit"], page["next_offset"]) == (2, 1, 1)
+    assert [x["lease_id"] for x in page["leases"]] == [leases[1]]
+    rest = cli_json(stack, "leases", "list", "--tenant", tenant, "--limit", "1", "--offset", "1")
+    assert [x["lease_id"] for x in rest["leases"]] == [leases[0]] and rest["next_offset"] is None
+    assert cli_json(stack, "leases", "list", "--tenant", tenant, "--state", "destroyed")[
+        "total"] == 0
+    assert cli_json(stack, "leases", "list", "--tenant", tenant, "--older-than", "1d")[
+        "total"] == 0
+    text = cli(stack, "leases", "list", "--tenant", tenant)
+    header, *rows, footer = text.splitlines()
+    assert header.split()[:4] == ["LEASE", "STATE", "PROVIDER", "TENANT"]
+    assert all(row.index("active") == header.index("STATE") for row in rows)
+    assert footer == "2 of 2 lease(s)"
+
+    # leases show: the fields, the run and its status, then the history with task ids.
+    shown = cli_json(stack, "leases", "show", leases[0])
+    assert shown["lease"]["tenant"] == tenant and shown["lease"]["state"] == "active"
+    assert shown["lease"]["deadline_at"] and shown["lease"]["provider_lease_id"]
+    assert (shown["run"]["run_id"], shown["run"]["status"]) == (runs[0], "running")
+    assert [e["to_state"] for e in shown["events"]] == ["provisioning", "active"]
+    assert all(e["task_id"] for e in shown["events"])
+    text = cli(stack, "leases", "show", leases[0][:20])  # a unique prefix will do
+    assert text.startswith(f"lease:            {leases[0]}\n")
+    assert text.index("tenant:") < text.index("history:")
+    assert f"run:              {runs[0]} (running)" in text
+
+    # runs list / show.
+    listed = cli_json(stack, "runs", "list", "--thread", runs[0])
+    assert [(r["run_id"], r["lease_id"]) for r in listed["runs"]] == [(runs[0], leases[0])]
+    assert cli_json(stack, "runs", "show", runs[1])["lease"]["lease_id"] == leases[1]
+    cli(stack, "runs", "list", "--status", "done", code=2)
+
+    # destroy one lease through lease.destroy; its history records the task.
+    answer = cli_json(stack, "leases", "destroy", leases[0])
+    assert [(d["lease_id"], d["result"]) for d in answer["destroyed"]] == [
+        (leases[0], "destroyed")]
+    events = cli_json(stack, "leases", "show", leases[0])["events"]
+    assert events[-1]["to_state"] == "destroyed"
+    assert events[-1]["task_id"] == answer["destroyed"][0]["task_id"]
+
+    # bulk destroy: a dry listing without --yes, then through the workers with it.
+    cli(stack, "leases", "destroy", "--state", "active", "--tenant", tenant, "--older-than",
+        "0s", code=2)
+    assert stack.runtime().store.get_lease(leases[1]).state == "active"
+    bulk = cli_json(stack, "leases", "destroy", "--state", "active", "--tenant", tenant,
+                    "--older-than", "0s", "--yes")
+    assert [(d["lease_id"], d["result"]) for d in bulk["destroyed"]] == [
+        (leases[1], "destroyed")]
+    assert cli_json(stack, "leases", "list", "--tenant", tenant, "--state", "destroyed")[
+        "total"] == 2
+
+    # status: this stack runs no beat, so it needs a person (exit 1) and says why.
+    status = cli_json(stack, "status", code=1)
+    assert stack.hostname(1) in status["workers"]
+    assert status["store"]["leases"]["destroyed"]["local"] >= 2
+    assert status["verdict"]["ok"] is False
+    assert any("beat is not running" in p for p in status["verdict"]["problems"])
+    assert {t["sweep"] for t in status["sweeps"]} >= {"sweep.reap_runs", "sweep.orphans"}
+    assert "verdict: NEEDS A PERSON" in cli(stack, "status", code=1)
+
+    # health: quiet on success, one line per failure.
+    done = leasekeeper("health", "--worker", "--node", stack.hostname(1), "--store",
+                       "--broker", env=stack.env)
+    assert (done.returncode, done.stdout, done.stderr) == (0, "", "")
+    done = leasekeeper("health", "--beat", env=stack.env)
+    assert done.returncode == 1 and done.stderr.startswith("unhealthy beat: ")
+    done = leasekeeper("health", "--worker", "--node", "nobody@nowhere", env=stack.env)
+    assert done.returncode == 1 and "nobody@nowhere" in done.stderr
+
+    # exit codes: an unknown id is 4, one line.
+    done = leasekeeper("leases", "show", "0000000000000000000000000000dead", env=stack.env)
+    assert done.returncode == 4 and len(done.stderr.strip().splitlines()) == 1

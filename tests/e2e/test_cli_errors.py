@@ -1,0 +1,165 @@
+"""Errors a person can act on: each case the issue quoted, run as a real `leasekeeper`
+process (or a real producer call in a child process), answers in one or two lines that
+name the setting, the address and the fix, with a non-zero exit and no traceback."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import HIDDEN_PACKAGES, cli_env, leasekeeper
+from tests.services import free_port
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def closed_port() -> int:
+    port = free_port()
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+    return port
+
+
+def short_error(done: object, *needles: str) -> str:
+    stderr = getattr(done, "stderr", "")
+    assert "Traceback" not in stderr + getattr(done, "stdout", ""), stderr
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert 1 <= len(lines) <= 2, stderr
+    for needle in needles:
+        assert needle in stderr, stderr
+    return stderr
+
+
+def test_up_with_the_broker_on_a_closed_port_fails_at_once(tmp_path: Path) -> None:
+    # Before: ~10 s of silence, then a 327-line traceback.
+    url = f"redis://127.0.0.1:{closed_port()}/0"
+    done = leasekeeper("up", env=cli_env(LEASEKEEPER_BROKER_URL=url,
+                                         LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    assert done.returncode == 3, done.stdout + done.stderr
+    short_error(done, url, "LEASEKEEPER_BROKER_URL", "unreachable")
+    assert not (tmp_path / "logs" / "worker.log").exists()  # nothing was started
+
+
+def test_a_producer_call_with_the_broker_down_raises_broker_unavailable(tmp_path: Path
+                                                                       ) -> None:
+    # Before: ~100 lines ending "RuntimeError: Retry limit exceeded while trying to
+    # reconnect to the Celery result store backend", after seconds of retries.
+    import subprocess
+    import sys
+
+    url = f"redis://127.0.0.1:{closed_port()}/0"
+    probe = (
+        "from tasks import producer\n"
+        "from providers.errors import BrokerUnavailable, is_transient\n"
+        "try:\n"
+        "    producer.acquire_lease('run-1', {'tenant': 'acme'})\n"
+        "except BrokerUnavailable as exc:\n"
+        "    print('transient' if is_transient(exc) else 'terminal', exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env=cli_env(LEASEKEEPER_BROKER_URL=url,
+                                      LEASEKEEPER_VAR_DIR=str(tmp_path)),
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("transient "), done.stdout + done.stderr
+    assert url in done.stdout and "LEASEKEEPER_BROKER_URL" in done.stdout
+    assert "Traceback" not in done.stderr
+
+
+def test_health_names_a_broker_that_is_down(tmp_path: Path) -> None:
+    url = f"redis://127.0.0.1:{closed_port()}/0"
+    done = leasekeeper("health", "--broker", env=cli_env(LEASEKEEPER_BROKER_URL=url,
+                                                         LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    assert done.returncode == 1
+    short_error(done, url)
+
+
+def test_a_missing_store_folder_is_named(tmp_path: Path) -> None:
+    # Before: "... is unavailable (OperationalError: unable to open database file); the
+    # task will retry" (there is no task at the command line).
+    folder = tmp_path / "no-such-folder"
+    done = leasekeeper("leases", "list", env=cli_env(
+        LEASEKEEPER_STORE_URL=f"sqlite:///{folder}/leasekeeper.db",
+        LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    assert done.returncode == 2
+    err = short_error(done, str(folder), "does not exist", "leasekeeper db upgrade")
+    assert "task will retry" not in err
+    assert not folder.exists()
+
+
+def test_a_store_never_migrated_names_db_upgrade_and_creates_nothing(tmp_path: Path) -> None:
+    # Before: "no such table: leases; the task will retry", and an empty .db was created.
+    for command in (["leases", "list"], ["runs", "list"], ["status"], ["leases", "show",
+                                                                       "01a23c6c5e8ec5d4"]):
+        done = leasekeeper(*command, env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path),
+                                                 LEASEKEEPER_BROKER_URL="redis://127.0.0.1:"
+                                                 f"{closed_port()}/0"))
+        assert done.returncode != 0, command
+        assert "leasekeeper db upgrade" in done.stdout + done.stderr, command
+        assert "no such table" not in done.stdout + done.stderr
+        assert "Traceback" not in done.stderr
+    assert not (tmp_path / "leasekeeper.db").exists()
+    migrated = leasekeeper("db", "upgrade", env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    assert migrated.returncode == 0, migrated.stderr
+    listed = leasekeeper("leases", "list", "--json",
+                         env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    assert listed.returncode == 0, listed.stderr
+    assert '"total": 0' in listed.stdout
+
+
+def test_a_mysql_url_is_refused_in_one_line(tmp_path: Path) -> None:
+    # Before: an 83-line traceback.
+    for command in (["leases", "list"], ["db", "upgrade"]):
+        done = leasekeeper(*command, env=cli_env(
+            LEASEKEEPER_STORE_URL="mysql://lk:secret-pw@127.0.0.1:3306/lk",
+            LEASEKEEPER_VAR_DIR=str(tmp_path)))
+        assert done.returncode == 2
+        err = short_error(done, "LEASEKEEPER_STORE_URL", "mysql", "postgresql+psycopg://")
+        assert "secret-pw" not in err
+
+
+def test_db_upgrade_on_postgres_without_psycopg_names_the_package(tmp_path: Path) -> None:
+    # Before (plain install): a 132-line traceback ending "No module named 'psycopg'".
+    done = leasekeeper("db", "upgrade", env=cli_env(
+        LEASEKEEPER_STORE_URL="postgresql+psycopg://lk:secret-pw@127.0.0.1:5432/lk",
+        LEASEKEEPER_VAR_DIR=str(tmp_path), LEASEKEEPER_TEST_HIDE_PACKAGES="psycopg",
+        PYTHONPATH=f"{HIDDEN_PACKAGES}:{cli_env()['PYTHONPATH']}"))
+    assert done.returncode == 2
+    err = short_error(done, "psycopg", "pip install", "leasekeeper[postgres]")
+    assert "secret-pw" not in err
+
+
+def test_unknown_leasekeeper_variables_are_warned_with_the_closest_name(tmp_path: Path
+                                                                        ) -> None:
+    # Before: LEASEKEEPER_LEASE_TTL was silently ignored.
+    done = leasekeeper("--version", env=cli_env(LEASEKEEPER_LEASE_TTL="60",
+                                                LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    assert done.returncode == 0
+    assert ("LEASEKEEPER_LEASE_TTL is not a leasekeeper setting and is ignored; did you mean "
+            "LEASEKEEPER_LEASE_TTL_S?") in done.stderr
+
+
+def test_an_invalid_filter_is_refused_naming_the_known_values(tmp_path: Path) -> None:
+    leasekeeper("db", "upgrade", env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    done = leasekeeper("leases", "list", "--state", "actve",
+                       env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    assert done.returncode == 2
+    assert "unknown state(s) actve" in done.stderr and "active" in done.stderr
+    assert "Traceback" not in done.stderr
+    done = leasekeeper("leases", "list", "--older-than", "two hours",
+                       env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    assert done.returncode == 2 and "not a duration" in done.stderr
+
+
+def test_db_upgrade_with_postgres_down_names_the_address_without_the_password(
+        tmp_path: Path) -> None:
+    port = closed_port()
+    done = leasekeeper("db", "upgrade", env=cli_env(
+        LEASEKEEPER_STORE_URL=f"postgresql+psycopg://lk:secret-pw@127.0.0.1:{port}/lk",
+        LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    assert done.returncode == 3
+    err = short_error(done, "cannot migrate the store", f"127.0.0.1:{port}",
+                      "LEASEKEEPER_STORE_URL")
+    assert "secret-pw" not in err

@@ -1,0 +1,156 @@
+"""What every `leasekeeper` command shares: exit codes, the error boundary, the runtime,
+aligned tables, JSON output, durations and times.
+
+Exit codes mean the same for every command:
+
+    0  ok                     1  something needs a person (status, health, a failed demo)
+    2  bad input or settings  3  a service (broker, store) is unreachable
+    4  no such lease or run
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any
+
+import typer
+
+from models.schema import utcnow
+from providers.errors import BrokerUnavailable, LeasekeeperError, NotFound, StoreUnavailable
+
+if TYPE_CHECKING:
+    from workers.runtime import Runtime
+
+
+class ExitCode(IntEnum):
+    OK = 0
+    NEEDS_ATTENTION = 1
+    USAGE = 2
+    UNAVAILABLE = 3
+    NOT_FOUND = 4
+
+
+def exit_code_for(exc: LeasekeeperError) -> ExitCode:
+    if isinstance(exc, NotFound):
+        return ExitCode.NOT_FOUND
+    if isinstance(exc, StoreUnavailable | BrokerUnavailable):
+        return ExitCode.UNAVAILABLE
+    return ExitCode.USAGE
+
+
+def run_cli(app: Callable[[], Any]) -> None:
+    """Run the root app, turning the errors leasekeeper raises on purpose into one line;
+    first warn about LEASEKEEPER_* variables no setting reads."""
+    import logging
+    import os
+
+    from workers.logs import configure_cli_logging
+    from workers.settings import unknown_variables
+
+    configure_cli_logging(os.environ.get("LEASEKEEPER_LOG_FORMAT", "text"))
+    log = logging.getLogger("leasekeeper.cli")
+    for warning in unknown_variables():
+        log.warning("%s", warning)
+    try:
+        app()
+    except LeasekeeperError as exc:
+        log.error("%s", exc)
+        sys.exit(exit_code_for(exc))
+
+
+_store_checked: set[str] = set()
+
+
+def runtime() -> Runtime:
+    """The runtime, once the store is known to exist and be migrated (workers/preflight)."""
+    from workers.preflight import check_store
+    from workers.runtime import get_runtime
+    from workers.settings import get_settings
+
+    url = get_settings().effective_store_url
+    if url not in _store_checked:
+        check_store(url)
+        _store_checked.add(url)
+    return get_runtime()
+
+
+def require_broker() -> str:
+    """The broker URL, once Redis answers there (else BrokerUnavailable, exit code 3)."""
+    from workers.preflight import check_broker
+    from workers.settings import get_settings
+
+    url = get_settings().effective_broker_url
+    check_broker(url)
+    return url
+
+
+def emit_json(value: Any) -> None:
+    typer.echo(json.dumps(value, indent=2, default=_json_default))
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return iso(value)
+    raise TypeError(f"not JSON: {type(value).__name__}")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """An aligned plain-text table with a header line; empty cells show as '-'."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    lines = ["  ".join(h.upper().ljust(w) for h, w in zip(headers, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in cells]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _cell(value: Any) -> str:
+    if value is None or value == "":
+        return "-"
+    if isinstance(value, datetime):
+        return iso(value) or "-"
+    return str(value)
+
+
+def iso(moment: datetime | None) -> str | None:
+    """Naive-UTC store times as ISO 8601 with a Z, to the second."""
+    if moment is None:
+        return None
+    return moment.replace(microsecond=0).isoformat() + "Z"
+
+
+def age(moment: datetime | None, now: datetime | None = None) -> str:
+    if moment is None:
+        return "-"
+    return human_duration(((now or utcnow()) - moment).total_seconds())
+
+
+def human_duration(seconds: float) -> str:
+    seconds = max(int(seconds), 0)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            whole, rest = divmod(seconds, size)
+            return f"{whole}{unit}" + (f"{rest // (size // 60)}{_next(unit)}"
+                                       if unit != "m" and rest >= size // 60 else "")
+    return f"{seconds}s"
+
+
+def _next(unit: str) -> str:
+    return {"d": "h", "h": "m"}[unit]
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str, option: str) -> timedelta:
+    """'90s', '15m', '2h', '1d' (a bare number is seconds)."""
+    match = _DURATION.match(text)
+    if match is None:
+        raise typer.BadParameter(f"{text!r} is not a duration; use e.g. 90s, 15m, 2h or 1d",
+                                 param_hint=option)
+    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])

@@ -1,0 +1,229 @@
+"""`leasekeeper leases list|show|destroy|retry|forget`: inspect leases and act on them.
+
+Reads go straight to the store (bounded pages, newest first). ``destroy`` goes through the
+normal task path (`lease.destroy` on a worker), so the history, the retries and
+`sweep.retry_cleanup` apply exactly as to any other destroy; ``retry`` and ``forget`` are
+the operator's guarded transitions on abandoned leases.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+from models.reports import LeaseFilter, lease_page
+from models.schema import Lease, LeaseEvent, LeaseState, Run, utcnow
+from workers.cli_common import (
+    ExitCode,
+    age,
+    emit_json,
+    iso,
+    parse_duration,
+    require_broker,
+    runtime,
+    table,
+)
+
+leases_cli = typer.Typer(no_args_is_help=True,
+                         help="Inspect leases; destroy, retry or forget them.")
+STATES = [s.value for s in LeaseState]
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
+StateOpt = Annotated[list[str] | None, typer.Option(
+    "--state", help=f"Only leases in this state (repeatable): {', '.join(STATES)}.")]
+ProviderOpt = Annotated[str | None, typer.Option(help="Only leases of this provider.")]
+TenantOpt = Annotated[str | None, typer.Option(help="Only leases of this tenant.")]
+OlderOpt = Annotated[str | None, typer.Option(
+    "--older-than", help="Only leases created longer ago than this (90s, 15m, 2h, 1d).")]
+LimitOpt = Annotated[int, typer.Option(min=1, max=1000, help="At most this many rows.")]
+OffsetOpt = Annotated[int, typer.Option(min=0, help="Skip this many rows (next page).")]
+
+
+def register(cli: typer.Typer) -> None:
+    cli.add_typer(leases_cli, name="leases")
+
+
+def _filter(state: list[str] | None, provider: str | None, tenant: str | None,
+            older_than: str | None) -> LeaseFilter:
+    unknown = sorted(set(state or []) - set(STATES))
+    if unknown:
+        raise typer.BadParameter(f"unknown state(s) {', '.join(unknown)}; known: "
+                                 f"{', '.join(STATES)}", param_hint="--state")
+    before = utcnow() - parse_duration(older_than, "--older-than") if older_than else None
+    return LeaseFilter(tuple(state or ()), provider, tenant, before)
+
+
+def lease_json(lease: Lease) -> dict[str, Any]:
+    return {c: getattr(lease, c) for c in Lease.__table__.columns.keys()  # noqa: SIM118
+            if c != "live_key"}
+
+
+def run_json(run: Run) -> dict[str, Any]:
+    return {c: getattr(run, c) for c in Run.__table__.columns.keys()}  # noqa: SIM118
+
+
+def event_json(event: LeaseEvent) -> dict[str, Any]:
+    return {"at": event.at, "from_state": event.from_state, "to_state": event.to_state,
+            "reason": event.reason, "task_id": event.task_id}
+
+
+@leases_cli.command("list")
+def leases_list(state: StateOpt = None, provider: ProviderOpt = None, tenant: TenantOpt = None,
+                older_than: OlderOpt = None, limit: LimitOpt = 50, offset: OffsetOpt = 0,
+                as_json: JsonOpt = False) -> None:
+    """List leases, newest first, a page at a time."""
+    page = lease_page(runtime().store, _filter(state, provider, tenant, older_than), limit,
+                      offset)
+    if as_json:
+        emit_json({"leases": [lease_json(x) for x in page.rows], "total": page.total,
+                   "limit": page.limit, "offset": page.offset,
+                   "next_offset": page.next_offset})
+        return
+    now = utcnow()
+    typer.echo(table(
+        ["lease", "state", "provider", "tenant", "run", "created", "age", "end reason",
+         "attempts"],
+        [[x.lease_id, x.state, x.provider, x.tenant, x.run_id, x.created_at,
+          age(x.created_at, now), x.end_reason, x.cleanup_attempts] for x in page.rows]))
+    more = (f"; next page: --offset {page.next_offset}" if page.next_offset is not None else "")
+    typer.echo(f"{len(page.rows)} of {page.total} lease(s){more}")
+
+
+MIN_PREFIX = 8
+
+
+def resolve(lease_id: str) -> Lease:
+    """The lease with this id, or the only one whose id starts with it (8+ characters)."""
+    from models.reports import lease_ids_starting
+    from providers.errors import NotFound
+
+    store = runtime().store
+    lease = store.find_lease(lease_id)
+    if lease is not None:
+        return lease
+    matches = lease_ids_starting(store, lease_id) if len(lease_id) >= MIN_PREFIX else []
+    if len(matches) == 1:
+        return store.get_lease(matches[0])
+    raise NotFound(f"no lease {lease_id[:64]!r} in the store"
+                   + ("; several ids start with it: give more of it" if matches else
+                      "; `leasekeeper leases list` shows the ids"))
+
+
+@leases_cli.command("show")
+def leases_show(lease_id: str, as_json: JsonOpt = False) -> None:
+    """A lease's fields, its run, and its whole history (with the task id of each change).
+    The id may be shortened to a unique prefix of 8 or more characters."""
+    rt = runtime()
+    lease = resolve(lease_id)
+    lease_id = lease.lease_id
+    run = rt.store.get_run(lease.run_id) if lease.run_id else None
+    events = rt.store.events(lease_id)
+    if as_json:
+        emit_json({"lease": lease_json(lease), "run": run_json(run) if run else None,
+                   "events": [event_json(e) for e in events]})
+        return
+    fields = [("lease", lease.lease_id), ("state", lease.state),
+              ("end reason", lease.end_reason), ("tenant", lease.tenant),
+              ("thread", lease.thread_id), ("provider", lease.provider),
+              ("provider name", lease.provider_lease_id), ("backend", lease.backend),
+              ("sandbox key", lease.sandbox_key), ("reuse", lease.reuse),
+              ("run", f"{lease.run_id} ({_run_text(run)})" if lease.run_id else None),
+              ("created", iso(lease.created_at)), ("ready", iso(lease.ready_at)),
+              ("acquire deadline", iso(lease.acquire_deadline_at)),
+              ("deadline", iso(lease.deadline_at)),
+              ("idle deadline", iso(lease.idle_deadline_at)),
+              ("idle timeout", f"{lease.idle_timeout_s} s"),
+              ("cleanup attempts", lease.cleanup_attempts),
+              ("next cleanup", iso(lease.next_cleanup_at)), ("last error", lease.last_error),
+              ("updated", iso(lease.updated_at))]
+    width = max(len(k) for k, _ in fields)
+    for key, value in fields:
+        typer.echo(f"{key + ':':<{width + 1}} {'-' if value in (None, '') else value}")
+    typer.echo("\nhistory:")
+    typer.echo(table(["at", "from", "to", "reason", "task"],
+                     [[e.at, e.from_state, e.to_state, e.reason, e.task_id] for e in events]))
+
+
+def _run_text(run: Run | None) -> str:
+    if run is None:
+        return "no run record"
+    return run.status + (f", exit {run.exit_code}" if run.exit_code is not None else "")
+
+
+@leases_cli.command("destroy")
+def leases_destroy(
+    lease_id: Annotated[str | None, typer.Argument(
+        help="The lease to destroy (or a unique prefix of 8+ characters).")] = None,
+    state: StateOpt = None, provider: ProviderOpt = None, tenant: TenantOpt = None,
+    older_than: OlderOpt = None, limit: LimitOpt = 100,
+    yes: Annotated[bool, typer.Option("--yes", help="Really destroy every lease that "
+                                                    "matches (without an id).")] = False,
+    reason: Annotated[str, typer.Option(help="Recorded in each lease's history.")] =
+        "operator",
+    wait_s: Annotated[float, typer.Option("--wait", min=0, help="Seconds to wait for the "
+                                                                "workers' answers.")] = 60.0,
+    as_json: JsonOpt = False,
+) -> None:
+    """Destroy one lease, or every lease matching the filters (with --yes), through the
+    normal lease.destroy task: history, retries and sweep.retry_cleanup apply."""
+    from tasks import producer
+
+    rt = runtime()
+    if lease_id is not None:
+        if state or provider or tenant or older_than:
+            raise typer.BadParameter("give a lease id or filters, not both")
+        targets = [resolve(lease_id)]
+    else:
+        if not state:
+            raise typer.BadParameter("give a lease id, or --state (and other filters) with "
+                                     "--yes", param_hint="--state")
+        targets = lease_page(rt.store, _filter(state, provider, tenant, older_than),
+                             limit).rows
+        if not yes:
+            typer.echo(table(["lease", "state", "provider", "created"],
+                             [[x.lease_id, x.state, x.provider, x.created_at]
+                              for x in targets]))
+            typer.echo(f"would destroy {len(targets)} lease(s); add --yes to do it", err=True)
+            raise typer.Exit(ExitCode.USAGE if targets else ExitCode.OK)
+    require_broker()
+    sent = [(x.lease_id, producer.destroy_lease(x.lease_id, reason)) for x in targets]
+    results: list[dict[str, Any]] = []
+    failed = 0
+    for ident, result in sent:
+        try:
+            answer = result.get(timeout=wait_s, propagate=True) if wait_s else None
+            results.append({"lease_id": ident, "task_id": result.id,
+                            **(answer or {"result": "sent"})})
+        except Exception as exc:  # the task's own error, reported per lease
+            failed += 1
+            results.append({"lease_id": ident, "task_id": result.id, "result": "failed",
+                            "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+    if as_json:
+        emit_json({"destroyed": results, "failed": failed})
+    else:
+        typer.echo(table(["lease", "result", "state", "task", "error"],
+                         [[r["lease_id"], r.get("result"), r.get("state"), r["task_id"],
+                           r.get("error")] for r in results]))
+    raise typer.Exit(ExitCode.NEEDS_ATTENTION if failed else ExitCode.OK)
+
+
+@leases_cli.command("retry")
+def leases_retry(lease_id: str) -> None:
+    """Give an abandoned lease a fresh set of cleanup attempts."""
+    from tasks.operator import retry_abandoned
+
+    moved = retry_abandoned(runtime().store, resolve(lease_id).lease_id)
+    typer.echo("queued for sweep.retry_cleanup" if moved else "only abandoned leases retry")
+    raise typer.Exit(ExitCode.OK if moved else ExitCode.NEEDS_ATTENTION)
+
+
+@leases_cli.command("forget")
+def leases_forget(lease_id: str, reason: Annotated[str, typer.Option()] = "by operator") -> None:
+    """Mark an abandoned lease destroyed: the operator removed it by hand. (If it is in
+    fact still there, sweep.orphans finds it and cleans it up with fresh attempts.)"""
+    from tasks.operator import forget_abandoned
+
+    moved = forget_abandoned(runtime().store, resolve(lease_id).lease_id, reason)
+    typer.echo("forgotten" if moved else "only abandoned leases can be forgotten")
+    raise typer.Exit(ExitCode.OK if moved else ExitCode.NEEDS_ATTENTION)

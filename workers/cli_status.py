@@ -1,0 +1,263 @@
+"""`leasekeeper status` (one screen for the on-call engineer) and `leasekeeper health`
+(liveness and readiness probes: fast, quiet on success).
+
+status shows leases by state and provider, abandoned leases with their reasons, the oldest
+pending_cleanup, runs by status, each sweep's last tick (workers/heartbeats.py), workers
+online, queue lengths, and a verdict. It exits 1 when something needs a person: abandoned
+leases, a sweep that has not run within three of its intervals, no worker, a service down.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Annotated, Any
+
+import redis
+import typer
+
+from providers.errors import LeasekeeperError
+from workers.beat import SWEEPS
+from workers.cli_common import ExitCode, age, emit_json, human_duration, iso, runtime, table
+from workers.cli_leases import JsonOpt
+from workers.settings import Settings, get_settings
+
+STALE_INTERVALS = 3  # a sweep whose last tick is older than this many intervals is late
+
+
+def register(cli: typer.Typer) -> None:
+    cli.command()(status)
+    cli.command()(health)
+
+
+class Check(StrEnum):
+    BROKER = "broker"
+    STORE = "store"
+    WORKER = "worker"
+    BEAT = "beat"
+
+
+@dataclass
+class Verdict:
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+def _redis(settings: Settings) -> redis.Redis[bytes]:
+    return redis.Redis.from_url(settings.effective_broker_url, socket_timeout=2,
+                                socket_connect_timeout=2)
+
+
+def workers_online(timeout_s: float, node: str | None = None, first: bool = False
+                   ) -> list[str]:
+    from workers.app import app
+
+    replies = app.control.ping(destination=[node] if node else None, timeout=timeout_s,
+                               limit=1 if first or node else None)
+    return sorted(name for reply in replies for name in reply)
+
+
+def sweep_ticks(settings: Settings, client: redis.Redis[bytes]) -> list[dict[str, Any]]:
+    """Each sweep's last tick; late when older than three intervals (or, never run, when
+    beat started longer ago than that)."""
+    from workers.heartbeats import beat_started, last_sweeps
+
+    now = time.time()
+    ticks = last_sweeps(client, settings.task_queue, list(SWEEPS))
+    started = beat_started(client, settings.task_queue)
+    rows = []
+    for name, tick in ticks.items():
+        interval = float(getattr(settings, SWEEPS[name]))
+        at = float(tick["at"]) if tick else None
+        since = at if at is not None else started
+        late = since is None or now - since > STALE_INTERVALS * interval
+        counts = {k: v for k, v in (tick or {}).items()
+                  if k not in {"sweep", "run", "took_ms", "at"}}
+        rows.append({"sweep": name, "interval_s": interval, "last_tick_at": at,
+                     "ago_s": None if at is None else round(now - at, 1), "late": late,
+                     "took_ms": (tick or {}).get("took_ms"), "counts": counts})
+    return rows
+
+
+def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
+    from models.reports import overview
+    from workers.heartbeats import last_beat
+
+    verdict = Verdict()
+    report: dict[str, Any] = {"broker": None, "store": None}
+    try:
+        rt = runtime()
+        ov = overview(rt.store)
+        oldest = ov.oldest_pending_cleanup
+        report["store"] = {
+            "leases": ov.leases, "runs": ov.runs, "abandoned_total": ov.abandoned_total,
+            "abandoned": [{"lease_id": x.lease_id, "provider": x.provider,
+                           "end_reason": x.end_reason, "last_error": x.last_error,
+                           "since": x.updated_at} for x in ov.abandoned],
+            "oldest_pending_cleanup": None if oldest is None else {
+                "lease_id": oldest.lease_id, "since": oldest.updated_at,
+                "attempts": oldest.cleanup_attempts, "last_error": oldest.last_error}}
+        if ov.abandoned_total:
+            verdict.problems.append(f"{ov.abandoned_total} abandoned lease(s) wait for an "
+                                    "operator (leasekeeper leases list --state abandoned)")
+    except LeasekeeperError as exc:
+        verdict.problems.append(f"store: {exc}")
+    client = _redis(settings)
+    try:
+        client.ping()
+        from workers.queues import POLL_ORDER, queue_name
+
+        queue = settings.task_queue
+        lanes = {queue_name(queue, lane): int(client.llen(queue_name(queue, lane)))
+                 for lane in POLL_ORDER}  # every lane (workers/queues.py), in poll order
+        report["broker"] = {"url_host": settings.effective_broker_url.rsplit("@", 1)[-1],
+                            "queue": queue, "queued": sum(lanes.values()), "queues": lanes,
+                            "unacked": int(client.hlen("unacked"))}
+        report["sweeps"] = sweep_ticks(settings, client)
+        beat_at = last_beat(client, queue)
+        report["beat"] = {"last_tick_at": beat_at}
+        if beat_at is None:
+            verdict.problems.append("beat is not running (no tick marked): start it "
+                                    "(celery -A workers.app beat)")
+        for tick in report["sweeps"]:
+            if tick["late"] and beat_at is not None:
+                verdict.problems.append(
+                    f"{tick['sweep']} has not run within {STALE_INTERVALS} intervals "
+                    f"({STALE_INTERVALS * tick['interval_s']:g} s): are the workers busy?")
+        report["workers"] = workers_online(1.0)
+        if not report["workers"]:
+            verdict.problems.append("no worker answers a ping: start one "
+                                    "(celery -A workers.app worker -E)")
+    except redis.RedisError as exc:
+        from tasks.producer import broker_unreachable
+
+        verdict.problems.append(broker_unreachable(settings.effective_broker_url, exc)
+                                .replace("; nothing was sent.", "."))
+    finally:
+        client.close()
+    report["verdict"] = {"ok": verdict.ok, "problems": verdict.problems}
+    return report, verdict
+
+
+def status(as_json: JsonOpt = False) -> None:
+    """One screen: leases, runs, sweeps, workers, queues and a verdict (exit 1: act)."""
+    settings = get_settings()
+    report, verdict = collect(settings)
+    if as_json:
+        emit_json(report)
+    else:
+        _print(report)
+    raise typer.Exit(ExitCode.OK if verdict.ok else ExitCode.NEEDS_ATTENTION)
+
+
+def _print(report: dict[str, Any]) -> None:
+    from datetime import UTC, datetime
+
+    store = report.get("store")
+    if store:
+        providers = sorted({p for by in store["leases"].values() for p in by})
+        states = sorted(store["leases"])
+        typer.echo("leases")
+        typer.echo(_indent(table(["state", *providers, "total"],
+                                 [[s, *(store["leases"][s].get(p, 0) for p in providers),
+                                   sum(store["leases"][s].values())] for s in states])
+                           if states else "none"))
+        for lease in store["abandoned"]:
+            typer.echo(f"  abandoned {lease['lease_id']} ({lease['provider']}, "
+                       f"{lease['end_reason'] or '-'}): {lease['last_error'] or 'no error'}")
+        oldest = store["oldest_pending_cleanup"]
+        if oldest:
+            typer.echo(f"  oldest pending_cleanup: {oldest['lease_id']}, since "
+                       f"{iso(oldest['since'])} ({age(oldest['since'])}), "
+                       f"{oldest['attempts']} attempt(s)")
+        typer.echo("runs: " + (", ".join(f"{n} {s}" for s, n in sorted(store["runs"].items()))
+                               or "none"))
+    if report.get("sweeps") is not None:
+        typer.echo("sweeps")
+        typer.echo(_indent(table(
+            ["sweep", "every", "last tick", "ago", "took", "did"],
+            [[t["sweep"], f"{t['interval_s']:g}s",
+              datetime.fromtimestamp(t["last_tick_at"], UTC).strftime("%H:%M:%SZ")
+              if t["last_tick_at"] else "never",
+              human_duration(t["ago_s"]) + (" LATE" if t["late"] else "")
+              if t["ago_s"] is not None else ("LATE" if t["late"] else "-"),
+              f"{t['took_ms']} ms" if t["took_ms"] is not None else None,
+              ", ".join(f"{k}={v}" for k, v in t["counts"].items() if v) or "nothing"]
+             for t in report["sweeps"]])))
+    broker = report.get("broker")
+    if broker:
+        beat_at = report["beat"]["last_tick_at"]
+        typer.echo("beat: " + (f"last tick {human_duration(time.time() - beat_at)} ago"
+                               if beat_at else "NOT RUNNING"))
+        typer.echo(f"workers online: {', '.join(report['workers']) or 'NONE'}")
+        typer.echo("queues: " + ", ".join(f"{name} {n}" for name, n in broker["queues"].items())
+                   + f" waiting; {broker['unacked']} delivered and not yet acknowledged")
+    verdict = report["verdict"]
+    typer.echo("verdict: ok" if verdict["ok"] else "verdict: NEEDS A PERSON")
+    for problem in verdict["problems"]:
+        typer.echo(f"  - {problem}")
+
+
+def _indent(text: str) -> str:
+    return "\n".join(f"  {line}" for line in text.splitlines())
+
+
+def health(
+    worker: Annotated[bool, typer.Option("--worker", help="A worker answers a ping.")] = False,
+    beat: Annotated[bool, typer.Option("--beat", help="Beat ticked recently.")] = False,
+    store: Annotated[bool, typer.Option("--store", help="The store is reachable and "
+                                                        "migrated.")] = False,
+    broker: Annotated[bool, typer.Option("--broker", help="Redis answers.")] = False,
+    node: Annotated[str | None, typer.Option(help="With --worker: this worker node "
+                                                  "(e.g. leasekeeper@$HOSTNAME).")] = None,
+    timeout_s: Annotated[float, typer.Option("--timeout", min=0.1, help="Seconds to wait "
+                                                                        "for a worker.")] = 2.0,
+) -> None:
+    """Probe the backend: silent with exit 0 when healthy; one line per failure and exit 1.
+    Without a flag, every check."""
+    settings = get_settings()
+    chosen = [c for c, on in ((Check.BROKER, broker), (Check.STORE, store),
+                              (Check.WORKER, worker), (Check.BEAT, beat)) if on] or list(Check)
+    failures = [f"{check}: {problem}" for check in chosen
+                if (problem := _probe(check, settings, node, timeout_s)) is not None]
+    for failure in failures:
+        typer.echo(f"unhealthy {failure}", err=True)
+    raise typer.Exit(ExitCode.NEEDS_ATTENTION if failures else ExitCode.OK)
+
+
+def _probe(check: Check, settings: Settings, node: str | None, timeout_s: float
+           ) -> str | None:
+    from workers.preflight import check_broker, check_store
+
+    try:
+        match check:
+            case Check.BROKER:
+                check_broker(settings.effective_broker_url)
+            case Check.STORE:
+                check_store(settings.effective_store_url)
+            case Check.WORKER:
+                check_broker(settings.effective_broker_url)
+                if not workers_online(timeout_s, node, first=True):
+                    return (f"worker {node} does not answer a ping" if node
+                            else "no worker answers a ping")
+            case Check.BEAT:
+                from workers.beat import beat_max_interval_s
+                from workers.heartbeats import last_beat
+
+                check_broker(settings.effective_broker_url)
+                client = _redis(settings)
+                try:
+                    at = last_beat(client, settings.task_queue)
+                finally:
+                    client.close()
+                limit = STALE_INTERVALS * beat_max_interval_s(settings)
+                if at is None or time.time() - at > limit:
+                    return (f"beat has not ticked within {limit:g} s (no mark at "
+                            f"leasekeeper:{settings.task_queue}:beat)")
+    except LeasekeeperError as exc:
+        return str(exc)
+    return None

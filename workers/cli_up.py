@@ -1,0 +1,212 @@
+"""`leasekeeper up`: the whole backend on embedded defaults (workers/embedded.py), with an
+optional demo (workers/demo.py); and `leasekeeper flower`, Flower that never runs without
+basic auth.
+
+`up` writes the settings a client needs (broker, store) to ``$LEASEKEEPER_VAR_DIR/env``
+(default ``.var/env``), which the CLI and the producer read when run from the same
+directory, prints the same lines to paste, and removes the file when it stops.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from datetime import datetime
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from providers.errors import ConfigError, LeasekeeperError
+from workers.settings import Settings, env_file_path, get_settings, load_settings
+
+# Short sweep intervals and detach TTL so the demo shows reaping within seconds. Only the
+# demo runs with them: afterwards worker and beat restart on the normal settings.
+DEMO_SETTINGS = {"REAP_RUNS_INTERVAL_S": "1", "EXPIRE_LEASES_INTERVAL_S": "1",
+                 "RETRY_CLEANUP_INTERVAL_S": "2", "RUN_DETACH_TTL_S": "2",
+                 "FINISH_EXITED_INTERVAL_S": "1", "ORPHANS_INTERVAL_S": "2",
+                 "STUCK_PROVISIONING_INTERVAL_S": "2", "LOCAL_DESTROY_GRACE_S": "2"}
+CLIENT_SETTINGS = ("LEASEKEEPER_BROKER_URL", "LEASEKEEPER_STORE_URL", "LEASEKEEPER_TASK_QUEUE")
+
+
+def register(cli: typer.Typer) -> None:
+    cli.command()(up)
+    cli.command()(flower)
+
+
+def say(line: str) -> None:
+    typer.echo(f"{datetime.now():%H:%M:%S} {line}")
+
+
+def up(
+    demo: Annotated[int, typer.Option(help="Drive N demo runs through the producer API")] = 0,
+    exit_after_demo: Annotated[bool, typer.Option(help="Stop once the demo is checked")] = False,
+) -> None:
+    """Bring up Redis (unless LEASEKEEPER_BROKER_URL is set), a worker, beat and Flower."""
+    from workers.embedded import embedded_backend
+
+    settings = load_settings(read_env_file=False)  # a stale env file must not steer `up`
+    env_file = env_file_path()
+    env_file.unlink(missing_ok=True)
+    demo_env = {f"LEASEKEEPER_{k}": v for k, v in DEMO_SETTINGS.items()
+                if f"LEASEKEEPER_{k}" not in os.environ} if demo else {}  # yours win
+    say("starting " + ("Redis, " if not settings.broker_url else "")
+        + "the store, a worker, beat and Flower ...")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    ok = True
+    try:
+        with embedded_backend(settings, demo_env,
+                              lambda name, took: say(f"  {name} ready ({took:.1f} s)")) as backend:
+            os.environ.update({k: v for k, v in backend.env.items()
+                               if k.startswith("LEASEKEEPER_")})
+            get_settings.cache_clear()
+            client_env = _client_env(get_settings())
+            _write_env_file(env_file, client_env)
+            _banner(settings, backend.flower_url, backend.flower_auth, backend.logdir,
+                    backend.notes, env_file, client_env, backend.metrics_url,
+                    backend.console_url)
+            if demo:
+                from workers.demo import run_demo
+                from workers.runtime import get_runtime
+
+                ok = run_demo(get_runtime(), demo)
+                say("demo: every lease reached its expected state" if ok
+                    else "demo: some leases did NOT reach their expected state")
+            if not (demo and exit_after_demo):
+                if demo:
+                    _end_demo(backend, demo_env)
+                say("press Ctrl-C to stop")
+                # Ctrl-C (even where a shell made the process ignore SIGINT) and SIGTERM
+                # both stop it, after saying what stays running.
+                signal.signal(signal.SIGINT, lambda *_: stop.set())
+                with contextlib.suppress(KeyboardInterrupt):
+                    stop.wait()
+                typer.echo("")
+                _what_stays_running()
+                say("stopping worker, beat, Flower" + ("" if settings.broker_url
+                                                       else " and Redis") + " ...")
+    except KeyboardInterrupt:
+        say("interrupted while starting; everything it started is stopped")
+        raise typer.Exit(130) from None
+    finally:
+        env_file.unlink(missing_ok=True)
+    say("stopped")
+    raise typer.Exit(0 if ok else 1)
+
+
+def _client_env(settings: Settings) -> dict[str, str]:
+    return {"LEASEKEEPER_BROKER_URL": settings.effective_broker_url,
+            "LEASEKEEPER_STORE_URL": settings.effective_store_url,
+            "LEASEKEEPER_TASK_QUEUE": settings.task_queue}
+
+
+def _write_env_file(path: Path, env: dict[str, str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch(mode=0o600)
+    path.write_text("# written by `leasekeeper up`; removed when it stops\n"
+                    + "".join(f"export {k}={v}\n" for k, v in env.items()))
+
+
+def _banner(settings: Settings, flower_url: str, flower_auth: str, logdir: Path,
+            notes: list[str], env_file: Path, client_env: dict[str, str],
+            metrics_url: str = "", console_url: str = "") -> None:
+    creds = settings.var_dir.resolve() / "flower-credentials"
+    creds.touch(mode=0o600)
+    creds.write_text(flower_auth + "\n")
+    for note in notes:
+        say(f"note: {note}")
+    say(f"leasekeeper is up: broker {client_env['LEASEKEEPER_BROKER_URL']}, store "
+        f"{client_env['LEASEKEEPER_STORE_URL']}")
+    say(f"Flower: {flower_url} (basic auth user:password in {creds}; set "
+        "LEASEKEEPER_FLOWER_BASIC_AUTH to choose them)")
+    if metrics_url:
+        say(f"metrics: {metrics_url}; lease console: {console_url} (the same basic auth)")
+    say(f"logs: {logdir}")
+    typer.echo(f"\nIn another shell in {Path.cwd()}, `leasekeeper status` and the producer "
+               f"find this backend through {env_file}.\nElsewhere, paste:\n"
+               + "".join(f"  export {k}={v}\n" for k, v in client_env.items()))
+
+
+def _end_demo(backend: object, demo_env: dict[str, str]) -> None:
+    """Worker and beat go back to the normal sweep intervals and detach TTL."""
+    from workers.embedded import Embedded, node_name
+
+    assert isinstance(backend, Embedded)
+    env = {k: v for k, v in backend.env.items() if k not in demo_env}
+    for key in demo_env:
+        os.environ.pop(key, None)
+    get_settings.cache_clear()
+    say("demo over: restarting worker and beat on the normal sweep intervals ...")
+    backend.restart(["worker", "beat"], env, node_name(),
+                    lambda name, took: say(f"  {name} ready ({took:.1f} s)"))
+    normal = get_settings()
+    say(f"sweeps back to their intervals: reap_runs {normal.reap_runs_interval_s:g} s, "
+        f"expire_leases {normal.expire_leases_interval_s:g} s, finish_exited "
+        f"{normal.finish_exited_interval_s:g} s, orphans {normal.orphans_interval_s:g} s; "
+        f"detached runs are reaped after {normal.run_detach_ttl_s} s")
+
+
+def _what_stays_running() -> None:
+    """Leases are not ended by stopping leasekeeper: say which and how to end them."""
+    from models.schema import LeaseState
+    from workers.runtime import get_runtime
+
+    rt = get_runtime()
+    live = rt.store.leases([LeaseState.PROVISIONING, LeaseState.ACTIVE,
+                            LeaseState.PENDING_CLEANUP, LeaseState.DESTROYING])
+    sandboxes = []
+    for name in rt.settings.providers:
+        with contextlib.suppress(LeasekeeperError, OSError):  # one that cannot list: silent
+            sandboxes += [r.name for r in rt.provider(name).list_managed()
+                          if r.meta.get("alive", True)]
+    if not live and not sandboxes:
+        say("no lease is live and no sandbox is running")
+        return
+    by_state: dict[str, int] = {}
+    for lease in live:
+        by_state[lease.state] = by_state.get(lease.state, 0) + 1
+    counts = ", ".join(f"{n} {state}" for state, n in sorted(by_state.items())) or "no"
+    say(f"stays running after leasekeeper stops: {counts} lease(s) and "
+        f"{len(sandboxes)} sandbox(es) ({', '.join(sandboxes) or 'none'}), kept so their "
+        "runs can resume.")
+    say("to end them, start `leasekeeper up` again and run `leasekeeper leases destroy "
+        "--state active --yes` (or `leasekeeper leases destroy <lease id>`)")
+
+
+def flower(
+    port: Annotated[int | None, typer.Option(help="Port (default LEASEKEEPER_FLOWER_PORT, "
+                                                  "5555)")] = None,
+    address: Annotated[str, typer.Option(help="Address to listen on; 0.0.0.0 exposes "
+                                              "Flower to the network")] = "127.0.0.1",
+) -> None:
+    """Flower for this installation, with basic auth from LEASEKEEPER_FLOWER_BASIC_AUTH
+    (user:password). Refuses to start without it. /metrics and /healthcheck answer without
+    auth (Flower's own behaviour)."""
+    settings = get_settings()
+    if settings.flower_basic_auth is None:
+        raise ConfigError("Flower never runs without basic auth: set "
+                          "LEASEKEEPER_FLOWER_BASIC_AUTH=user:password")
+    auth = settings.flower_basic_auth.get_secret_value()
+    if any(":" not in pair or pair.startswith(":") or pair.endswith(":")
+           for pair in auth.split(",")):
+        raise ConfigError("LEASEKEEPER_FLOWER_BASIC_AUTH must be user:password (several "
+                          "comma-separated); got something else")
+    port = settings.flower_port if port is None else port
+    if not 0 < port < 65536:
+        raise ConfigError(f"Flower needs a port between 1 and 65535, got {port}")
+    from workers.embedded import port_is_free, require_package
+
+    require_package("flower", "flower>=2.0", "`leasekeeper flower`")
+    if address in {"127.0.0.1", "0.0.0.0", "localhost"} and not port_is_free(port):  # noqa: S104
+        raise ConfigError(f"port {port} is taken by another process (another Flower?): stop "
+                          "it, or choose another with --port or LEASEKEEPER_FLOWER_PORT")
+    env = {**os.environ, "FLOWER_BASIC_AUTH": auth}  # by environment: not in `ps`
+    logs = ([f"--log_file_prefix={settings.log_file.resolve()}",  # tornado rotates it
+             f"--log_file_max_size={settings.log_file_max_bytes}",
+             f"--log_file_num_backups={settings.log_file_backups}"] if settings.log_file else [])
+    os.execve(sys.executable, [sys.executable, "-m", "celery", "-A", "workers.app", "flower",  # noqa: S606
+                               f"--port={port}", f"--address={address}", *logs], env)

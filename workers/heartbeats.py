@@ -1,0 +1,61 @@
+"""Liveness marks in Redis that `leasekeeper status` and `health --beat` read.
+
+    leasekeeper:<queue>:beat                 beat's last scheduler tick (epoch seconds);
+                                             written by HeartbeatScheduler (workers/beat.py)
+    leasekeeper:<queue>:beat:started         when that beat process started
+    leasekeeper:<queue>:sweep:<name>:last    a sweep's last tick that ran: when, took_ms and
+                                             its outcome counts (JSON; written by run_sweep)
+
+Writes are best effort: a Redis hiccup never fails a tick. Every key expires, so an
+installation that is gone leaves nothing behind for long.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from typing import Any
+
+import redis
+
+KEY_TTL_S = 7 * 24 * 3600
+
+
+def beat_key(queue: str) -> str:
+    return f"leasekeeper:{queue}:beat"
+
+
+def sweep_key(queue: str, sweep: str) -> str:
+    return f"leasekeeper:{queue}:sweep:{sweep}:last"
+
+
+def mark_beat(client: redis.Redis[bytes], queue: str, ttl_s: float,
+              started: float | None = None) -> None:
+    with contextlib.suppress(redis.RedisError):
+        client.set(beat_key(queue), repr(time.time()), ex=max(int(ttl_s), 1))
+        if started is not None:
+            client.set(beat_key(queue) + ":started", repr(started), ex=KEY_TTL_S)
+
+
+def last_beat(client: redis.Redis[bytes], queue: str) -> float | None:
+    raw = client.get(beat_key(queue))
+    return float(raw) if raw else None
+
+
+def beat_started(client: redis.Redis[bytes], queue: str) -> float | None:
+    raw = client.get(beat_key(queue) + ":started")
+    return float(raw) if raw else None
+
+
+def mark_sweep(client: redis.Redis[bytes], queue: str, summary: dict[str, Any]) -> None:
+    tick = {k: v for k, v in summary.items() if k != "items"} | {"at": time.time()}
+    with contextlib.suppress(redis.RedisError):
+        client.set(sweep_key(queue, str(summary["sweep"])), json.dumps(tick), ex=KEY_TTL_S)
+
+
+def last_sweeps(client: redis.Redis[bytes], queue: str, sweeps: list[str]
+                ) -> dict[str, dict[str, Any] | None]:
+    raws = client.mget([sweep_key(queue, name) for name in sweeps])
+    return {name: (json.loads(raw) if raw else None) for name, raw in zip(sweeps, raws,
+                                                                         strict=True)}
