@@ -78,7 +78,9 @@ class LeasekeeperWorkerContainer(CeleryWorkerContainer):
     def command(cls, *args: str, debugpy: bool = False, wait_for_client: bool = True,
                 **kwargs: dict[str, Any]) -> list[str]:
         return ["celery", "-A", "workers.app", "worker", "-P", "prefork", "-c", "2", "-E",
-                "-l", "info", "-n", f"{cls.worker_name()}@%h", "-Q", cls.worker_queue(),
+                "-l", "info", "-n", f"{cls.worker_name()}@%h",
+                # No -Q: as in the image, the worker consumes every lane (workers/queues.py);
+                # the follow-up tasks a task sends (run.finish's reclaim) go to their lane.
                 "--without-gossip", "--without-mingle", *args]
 
     def ready(self) -> bool:

@@ -39,7 +39,8 @@ def test_each_lifecycle_task_by_name(celery_setup: CeleryTestSetup,
     eventually(lambda: worker_store.get_lease(lease_id).state == LeaseState.DESTROYED, 120,
                "run.finish's sandbox.reclaim to destroy the lease")
     again = _call(celery_setup, "sandbox.reclaim", run_id="smoke-1")
-    assert again["outcome"] == "not-found", again  # already reclaimed: nothing to do
+    # already reclaimed: the same answer, nothing done
+    assert (again["outcome"], again["detail"]) == ("destroyed", "already reclaimed"), again
 
     second = _call(celery_setup, "lease.acquire", run_id="smoke-2", spec={})
     destroyed = _call(celery_setup, "lease.destroy", lease_id=second["lease_id"])
