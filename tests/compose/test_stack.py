@@ -113,6 +113,7 @@ def _flower(stack: ComposeStack, path: str, auth: tuple[str, str] | None) -> Any
 def test_flower_refuses_no_auth_and_shows_the_lifecycle_tasks(
         compose_stack: ComposeStack) -> None:
     eventually(lambda: _flower_answers(compose_stack), 120, "Flower to answer")
+    compose_stack.wait_healthy("flower")  # its compose health check passes too
     for auth in (None, ("ops", "wrong")):
         with pytest.raises(urllib.error.HTTPError) as refused:
             _flower(compose_stack, "/api/tasks", auth)
