@@ -157,6 +157,19 @@ class KubeletSim:
             found = [r for r in self.runs.values() if (r.namespace, r.name) == (namespace, name)]
         return found[-1] if found else None
 
+    def alive_in(self, namespace: str) -> list[PodRun]:
+        """The runs of ``namespace`` whose process is still alive."""
+        with self._lock:
+            return [r for r in self.runs.values() if r.namespace == namespace and r.alive()]
+
+    def kill_namespace(self, namespace: str) -> None:
+        """SIGKILL every process still running for a pod of ``namespace`` (a test's last
+        resort after deleting it: the pods' grace periods may be long)."""
+        for run in self.alive_in(namespace):
+            _signal_group(run, signal.SIGKILL)
+            if run.popen is not None:
+                run.popen.wait(5)
+
     # -- node -----------------------------------------------------------------------------
     def _register_node(self) -> None:
         status = {
