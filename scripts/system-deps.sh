@@ -4,7 +4,7 @@
 # (Debian's dockerd, which scripts/dockerd.sh starts privately: no bridge, no iptables) and
 # debootstrap (the registry-free base image); prometheus (the server and promtool: the
 # metrics and alert-rule tests) and chromium with chromium-driver (the console's browser
-# test, headless).
+# test, headless); util-linux's unshare (the kubelet simulator's ServiceAccount pods).
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
@@ -13,6 +13,7 @@ command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
+command -v unshare >/dev/null 2>&1 || need+=(util-linux)
 [ -x /usr/sbin/dockerd ] || need+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || need+=(debootstrap)
 if [ ${#need[@]} -eq 0 ]; then

@@ -7,7 +7,14 @@ reports Running/Ready, then Succeeded or Failed with the real exit code (restart
 OnFailure restart the process with a short backoff, as a kubelet would), finishes graceful
 deletions (SIGTERM to the process group, SIGKILL after the grace period, then delete with grace
 0) and serves exec and logs through ``exec_server.KubeletServer``. ``stop()`` kills every
-process it started. Not simulated: init containers, probes, volumes, images, resource limits.
+process it started. A pod that names a ServiceAccount (automount not off) gets its token at
+the in-cluster path and its own hostname (``pod_namespaces``); ``KUBERNETES_SERVICE_HOST`` /
+``PORT`` point at the API server.
+
+Images are the one seam: ``images`` maps an image name to the environment its container
+starts from (as a Dockerfile's ``ENV``, e.g. a host virtualenv's ``bin`` first on ``PATH``);
+an image not in it runs with the host's. Not simulated: init containers, probes (a started
+process is Ready), volumes other than the token, users, resource limits.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Any
 
 from kubernetes import client
 
-from tests.cluster import k8s_json
+from tests.cluster import k8s_json, pod_namespaces
 from tests.cluster.certs import make_ca, make_server_cert
 from tests.cluster.exec_server import ContainerTarget, KubeletServer
 from tests.cluster.informer import Informer, Obj
@@ -73,8 +80,10 @@ class KubeletSim:
 
     def __init__(self, api: client.ApiClient, *, node_name: str = "sim-node",
                  cert_dir: Path | None = None, workdir: Path | None = None,
-                 bind_pods: bool = True, max_backoff: float = 10.0) -> None:
+                 bind_pods: bool = True, max_backoff: float = 10.0,
+                 images: dict[str, dict[str, str]] | None = None) -> None:
         self.api = api
+        self.images: dict[str, dict[str, str]] = dict(images or {})
         self.core = client.CoreV1Api(api)
         self.node_name = node_name
         self._own_workdir = workdir is None
@@ -147,6 +156,19 @@ class KubeletSim:
         with self._lock:
             found = [r for r in self.runs.values() if (r.namespace, r.name) == (namespace, name)]
         return found[-1] if found else None
+
+    def alive_in(self, namespace: str) -> list[PodRun]:
+        """The runs of ``namespace`` whose process is still alive."""
+        with self._lock:
+            return [r for r in self.runs.values() if r.namespace == namespace and r.alive()]
+
+    def kill_namespace(self, namespace: str) -> None:
+        """SIGKILL every process still running for a pod of ``namespace`` (a test's last
+        resort after deleting it: the pods' grace periods may be long)."""
+        for run in self.alive_in(namespace):
+            _signal_group(run, signal.SIGKILL)
+            if run.popen is not None:
+                run.popen.wait(5)
 
     # -- node -----------------------------------------------------------------------------
     def _register_node(self) -> None:
@@ -259,8 +281,16 @@ class KubeletSim:
             "HOSTNAME": meta["name"], "KUBERNETES_SERVICE_HOST": NODE_IP,
             "KUBERNETES_SERVICE_PORT": str(self.api.configuration.host.rsplit(":", 1)[-1]),
         }
+        account = pod_namespaces.service_account(spec)
         try:
-            envs = {c["name"]: self.env_resolver.environment(pod, c, base) for c in containers}
+            envs = {c["name"]: self.env_resolver.environment(
+                pod, c, {**base, **self.images.get(c.get("image", ""), {})})
+                for c in containers}
+            token = None if account is None else pod_namespaces.token_files(
+                self.core, meta["namespace"], account)
+            command = container_command(containers[0], envs[containers[0]["name"]])
+            if token is not None:
+                command = pod_namespaces.wrap(command, pod_dir, meta["name"], token)
         except ConfigError as exc:
             self._config_wait.add(meta["uid"])
             self._patch_waiting(pod, "CreateContainerConfigError", str(exc))
@@ -271,7 +301,7 @@ class KubeletSim:
         run = PodRun(
             namespace=meta["namespace"], name=meta["name"], uid=meta["uid"],
             containers=[c["name"] for c in containers], envs=envs,
-            command=container_command(first, envs[first["name"]]),
+            command=command,
             cwd=workdir if workdir.is_dir() else pod_dir,
             log_path=pod_dir / f"{first['name']}.log",
             restart_policy=spec.get("restartPolicy", "Always"))

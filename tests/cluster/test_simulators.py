@@ -1,10 +1,13 @@
 """Owns the tests of the simulators' finer behaviour against the real API server: Sandbox
 suspension, expiry (Retain and Delete), pod failure mirrored into the Sandbox; kubelet restarts
-for restartPolicy OnFailure, CreateContainerConfigError until a Secret appears, exec stdin."""
+for restartPolicy OnFailure, CreateContainerConfigError until a Secret appears, exec stdin, and
+a pod's in-cluster ServiceAccount token (the kubernetes client's own load_incluster_config)."""
 
 from __future__ import annotations
 
+import sys
 from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -151,3 +154,37 @@ def test_exec_with_stdin(kube_api: client.ApiClient, kubelet_sim: KubeletSim | N
     resp.run_forever(timeout=20)
     assert resp.read_stdout() == "got:ping\n"
     assert resp.returncode == 0
+
+
+IN_CLUSTER = """
+import socket
+from kubernetes import client, config
+config.load_incluster_config()
+namespace = open("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read()
+try:  # the default account may not list pods: the refusal names who asked
+    client.CoreV1Api().list_namespaced_pod(namespace)
+except client.ApiException as exc:
+    print(socket.gethostname(), namespace, exc.status, exc.body)
+"""
+
+
+def test_a_service_account_pod_reaches_the_api_with_its_in_cluster_token(
+        kube_api: client.ApiClient, kubelet_sim: KubeletSim | None, k8s_namespace: str) -> None:
+    core = client.CoreV1Api(kube_api)
+    host_had_tokens = Path("/var/run/secrets/kubernetes.io").exists()
+    for name, automount in (("in-cluster", True), ("no-token", False)):
+        core.create_namespaced_pod(k8s_namespace, body({
+            "metadata": {"name": name},
+            "spec": {"restartPolicy": "Never", "serviceAccountName": "default",
+                     "automountServiceAccountToken": automount,
+                     "containers": [{"name": "main", "image": "sim",
+                                     "command": [sys.executable, "-c", IN_CLUSTER]}]}}))
+    wait_for_pod(core, k8s_namespace, "in-cluster", pod_phase_in("Succeeded"))
+    out = core.read_namespaced_pod_log("in-cluster", k8s_namespace)
+    assert out.startswith(f"in-cluster {k8s_namespace} 403 ")  # its hostname, its namespace
+    assert f'User \\"system:serviceaccount:{k8s_namespace}:default\\"' in out, out
+    # automount off: no token, and load_incluster_config says so
+    wait_for_pod(core, k8s_namespace, "no-token", pod_phase_in("Failed"))
+    assert "Service token file does not exist" in core.read_namespaced_pod_log(
+        "no-token", k8s_namespace)
+    assert Path("/var/run/secrets/kubernetes.io").exists() == host_had_tokens  # host unchanged

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cluster.fixtures import kube_api, kube_cluster  # noqa: F401
+from tests.cluster.fixtures import kube_api, kube_cluster, kubelet_sim  # noqa: F401
 from tests.cluster.fixtures import prebuild_binaries as _prebuild_binaries
 
 

@@ -114,7 +114,11 @@ def test_one_beat_replaced_with_recreate_and_flower_needs_its_secret() -> None:
 
 # -- on the real API server --------------------------------------------------------------
 
-def for_test_cluster(docs: list[Obj], namespace: str, policy_v1: bool) -> list[Obj]:
+def for_test_cluster(docs: list[Obj], namespace: str, policy_v1: bool, *,
+                     broker_url: str = "redis://127.0.0.1:1/0",
+                     store_url: str = "postgresql+psycopg://x@127.0.0.1:1/x") -> list[Obj]:
+    """The docs for a test cluster's ``namespace``; the Secret's URLs are loopback ones
+    (by default where nothing listens)."""
     out = []
     for doc in map(copy.deepcopy, docs):
         meta = doc["metadata"]
@@ -126,9 +130,9 @@ def for_test_cluster(docs: list[Obj], namespace: str, policy_v1: bool) -> list[O
             subject["namespace"] = namespace
         if doc["kind"] == "ConfigMap":
             doc["data"]["LEASEKEEPER_KUBE_NAMESPACE"] = namespace
-        if doc["kind"] == "Secret":  # loopback only, and nothing listens there
-            doc["stringData"].update(LEASEKEEPER_BROKER_URL="redis://127.0.0.1:1/0",
-                                     LEASEKEEPER_STORE_URL="postgresql+psycopg://x@127.0.0.1:1/x")
+        if doc["kind"] == "Secret":
+            doc["stringData"].update(LEASEKEEPER_BROKER_URL=broker_url,
+                                     LEASEKEEPER_STORE_URL=store_url)
         if doc["kind"] == "PodDisruptionBudget" and not policy_v1:
             doc["apiVersion"] = "policy/v1beta1"
         out.append(doc)
