@@ -30,7 +30,13 @@ from providers.base import (
     Provider,
     ResumeResult,
 )
-from providers.errors import DestroyIncomplete, LeasekeeperError, ProviderError, is_transient
+from providers.errors import (
+    AcquireCleanupIncomplete,
+    DestroyIncomplete,
+    LeasekeeperError,
+    ProviderError,
+    is_transient,
+)
 from providers.spec import SandboxSpec
 
 log = logging.getLogger("leasekeeper.provider_errors")
@@ -39,7 +45,10 @@ T = TypeVar("T")
 
 def records_of(provider: str, operation: str, task: str | None,
                exc: ProviderError) -> list[ErrorRecord]:
-    """The rows one raised error stands for: one, or one per failed part of a destroy."""
+    """The rows one raised error stands for: one, or one per failed part of a destroy. An
+    acquire whose own cleanup failed stands for the acquire's error (its cause)."""
+    if isinstance(exc, AcquireCleanupIncomplete) and isinstance(exc.__cause__, ProviderError):
+        exc = exc.__cause__
     parts = ([f.error for f in exc.failures]
              if isinstance(exc, DestroyIncomplete) and exc.failures else [exc])
     return [ErrorRecord(provider, operation, task,

@@ -17,6 +17,7 @@ from models.observe import Observe
 from models.schema import LeaseState
 from models.store import Store
 from providers.errors import (
+    AcquireCleanupIncomplete,
     DestroyIncomplete,
     PartFailure,
     TerminalProviderError,
@@ -67,6 +68,13 @@ def test_provider_calls_record_each_error_and_the_log_keeps_the_newest(
                                                PartFailure("secret", forbidden.value)])
     Observe(store).record_provider_errors(
         records_of("kubernetes", "destroy", "lease.destroy", incomplete), keep=3)
+    # An acquire whose cleanup failed too is the acquire's own API error.
+    try:
+        raise AcquireCleanupIncomplete.of("l-1", forbidden.value, unavailable.value) \
+            from forbidden.value
+    except AcquireCleanupIncomplete as exc:
+        assert [(r.error_class, r.status) for r in records_of(
+            "kubernetes", "acquire", None, exc)] == [("terminal", 403)]
     # Trimmed to the newest 3, like the sweep tick log.
     assert _rows(store) == [
         ("faulty", "list_managed", None, "terminal", None, "TerminalProviderError"),
