@@ -6,7 +6,8 @@ Every query here is index-backed (see the indexes in schema.py): counts group on
 the destroyed / finished history), reclaims are read by ``ix_runs_reclaimed_at``,
 pages walk ``lease_id`` (time-ordered) through the primary key or ``(state, lease_id)`` /
 ``(tenant, lease_id)``, the event tail walks the events' primary key. Writes: only
-:meth:`Observe.record_tick` (one row per beat tick, trimmed to the newest few per sweep).
+:meth:`Observe.record_tick` (one row per beat tick, trimmed to the newest few per sweep)
+and :meth:`Observe.record_provider_errors` (trimmed to the newest few).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from models.schema import (
     Lease,
     LeaseEvent,
     LeaseState,
+    ProviderErrorClass,
+    ProviderErrorRow,
     Run,
     RunStatus,
     SweepTick,
@@ -34,6 +37,7 @@ _L = cast(Table, Lease.__table__)
 _E = cast(Table, LeaseEvent.__table__)
 _R = cast(Table, Run.__table__)
 _T = cast(Table, SweepTick.__table__)
+_P = cast(Table, ProviderErrorRow.__table__)
 
 WAITING_FOR_CLEANUP = (LeaseState.PENDING_CLEANUP, LeaseState.DESTROYING)
 # Every state but destroyed: the leases that matter now, a small slice of the index. The
@@ -55,6 +59,18 @@ class TailedEvent:
     backend: str | None
     created_at: datetime  # the lease's intent time
     reason: str
+
+
+@dataclass(frozen=True)
+class ErrorRecord:
+    """One row of the provider error log, before it is written (no message: see schema)."""
+
+    provider: str
+    operation: str
+    task: str | None
+    error_class: ProviderErrorClass
+    status: int | None
+    error_type: str
 
 
 @dataclass(frozen=True)
@@ -167,6 +183,29 @@ class Observe:
         with self.store.tx() as s:
             return list(s.scalars(select(SweepTick).where(SweepTick.sweep == sweep)
                                   .order_by(SweepTick.id.desc()).limit(limit)))
+
+    # -- the provider error log ------------------------------------------------------------
+    def record_provider_errors(self, records: Sequence[ErrorRecord], keep: int) -> None:
+        if not records:
+            return
+        with self.store.tx() as s:
+            s.execute(insert(_P), [{"at": utcnow(), "provider": r.provider,
+                                    "operation": r.operation, "task": r.task,
+                                    "error_class": r.error_class, "status": r.status,
+                                    "error_type": r.error_type[:64]} for r in records])
+            cutoff = (select(_P.c.id).order_by(_P.c.id.desc()).offset(keep).limit(1)
+                      .scalar_subquery())
+            s.execute(delete(_P).where(_P.c.id <= cutoff))
+
+    def provider_errors_from(self, first_id: int, limit: int) -> list[ProviderErrorRow]:
+        with self.store.tx() as s:
+            return list(s.scalars(select(ProviderErrorRow)
+                                  .where(ProviderErrorRow.id >= first_id)
+                                  .order_by(ProviderErrorRow.id).limit(limit)))
+
+    def max_provider_error_id(self) -> int:
+        with self.store.tx() as s:
+            return int(s.scalar(select(func.max(_P.c.id))) or 0)
 
     # -- the console's pages --------------------------------------------------------------
     def lease_page(self, flt: LeaseFilter, before: str | None, limit: int) -> list[Lease]:

@@ -194,3 +194,26 @@ class SweepTick(Base):
     task_id: Mapped[str | None] = mapped_column(String(64))
 
     __table_args__ = (Index("ix_sweep_ticks_sweep_id", "sweep", "id"),)
+
+
+class ProviderErrorClass(StrEnum):
+    TRANSIENT = "transient"  # a retry may fix it (providers.errors.is_transient)
+    TERMINAL = "terminal"
+
+
+class ProviderErrorRow(Base):
+    """One ProviderError a provider call raised (one per failed part of a destroy): which
+    provider, which call, its class and HTTP status (None when it has none). Never its
+    message: that could quote a secret. Written at the provider boundary
+    (workers/provider_errors.py), trimmed to the newest few; tailed by the exporter."""
+
+    __tablename__ = "provider_errors"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow)
+    provider: Mapped[str] = mapped_column(String(64))
+    operation: Mapped[str] = mapped_column(String(32))  # acquire, destroy, resume_check, ...
+    task: Mapped[str | None] = mapped_column(String(64))  # the Celery task, if in one
+    error_class: Mapped[str] = mapped_column(String(16))  # ProviderErrorClass
+    status: Mapped[int | None] = mapped_column(Integer)
+    error_type: Mapped[str] = mapped_column(String(64))

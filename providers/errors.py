@@ -69,7 +69,15 @@ class BrokerUnavailable(LeasekeeperError):
 
 
 class ProviderError(LeasekeeperError):
-    """A provider could not do what was asked."""
+    """A provider could not do what was asked. ``status`` is the HTTP status of the API
+    answer behind it, when there was one (set at the Kubernetes boundary); it is not in
+    ``args``, so an error Celery rebuilds from the result backend has it as None."""
+
+    status: int | None = None
+
+    def with_status(self, status: int | None) -> Self:
+        self.status = status
+        return self
 
 
 class TransientProviderError(ProviderError):

@@ -1,7 +1,8 @@
 """What a worker process works with: settings, the store and the enabled providers.
 
 Built lazily on first use in each process (never at import) and rebuilt after a fork, so
-prefork children do not share database connections. Tests inject their own with
+prefork children do not share database connections. Every provider it builds records the
+ProviderErrors its calls raise (workers/provider_errors.py). Tests inject their own with
 ``set_runtime``.
 """
 
@@ -80,7 +81,10 @@ class Runtime:
                         f"LEASEKEEPER_PROVIDERS names {name!r}, which leasekeeper does not "
                         f"have; known: {', '.join(sorted(PROVIDER_FACTORIES))}"
                     )
-                self._providers[name] = factory(self.settings)
+                from workers.provider_errors import RecordingProvider
+
+                self._providers[name] = RecordingProvider(
+                    factory(self.settings), self.store, self.settings.provider_errors_kept)
             return self._providers[name]
 
     def redis(self) -> redis.Redis[bytes]:

@@ -124,6 +124,8 @@ class Settings(BaseSettings):
 
     # The sweep tick log (workers/sweep_ticks.py): newest ticks kept per sweep.
     sweep_ticks_kept: int = Field(default=200, ge=1, le=100_000)
+    # The provider error log (workers/provider_errors.py): newest rows kept (all providers).
+    provider_errors_kept: int = Field(default=10_000, ge=1, le=1_000_000)
 
     # The metrics exporter (`leasekeeper metrics`, workers/metrics/).
     metrics_host: str = "127.0.0.1"

@@ -10,8 +10,9 @@
       └── KubeAlreadyExists
 
 Which statuses are transient is data (``TRANSIENT_STATUSES``). Messages carry the HTTP status,
-the API's reason and message, and what to do; for Secret operations (``sensitive=True``) the
-API's free-text message is left out, so no Secret content can reach a log. Every call names
+the API's reason and message, and what to do (``error.status`` has the status, for the
+metrics); for Secret operations (``sensitive=True``) the API's free-text message is left
+out, so no Secret content can reach a log. Every call names
 the RBAC ``Permission`` it needs, so a 403 says exactly which verb on which resource to grant.
 """
 
@@ -115,8 +116,12 @@ def translate_api_exception(action: str, exc: ApiException, *, sensitive: bool,
                             permission: Permission | None = None,
                             namespace: str = "") -> ProviderError:
     status = int(exc.status or 0)
-    text = describe_api_exception(action, exc, sensitive=sensitive, permission=permission,
-                                  namespace=namespace)
+    return _classify(status, exc, describe_api_exception(
+        action, exc, sensitive=sensitive, permission=permission, namespace=namespace,
+    )).with_status(status or None)  # 0: no HTTP answer at all
+
+
+def _classify(status: int, exc: ApiException, text: str) -> ProviderError:
     if status == 404:
         return KubeNotFound(text)
     if status == 409:

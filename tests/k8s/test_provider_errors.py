@@ -40,6 +40,7 @@ def test_each_answer_to_a_create_is_transient_or_terminal_with_the_reason(
     error = info.value
     assert is_transient(error) is (code in TRANSIENT), error
     assert f"HTTP {code} {REASONS[code]}: the server says {code}" in str(error)
+    assert error.status == code  # for leasekeeper_provider_errors_total's status label
     if code == 409:  # a Conflict that is not AlreadyExists is never adopted
         assert isinstance(error, ProviderConflict)
     # nothing was created, so nothing was cleaned up

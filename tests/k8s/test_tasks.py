@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from models.observe import Observe
 from models.schema import LeaseState, ReclaimOutcome, RunStatus
 from providers.errors import (
     AcquireCleanupIncomplete,
@@ -303,10 +304,15 @@ def test_destroy_workload_failure_still_deletes_pod_and_secret(kube_stack: KubeS
 def test_acquire_secret_failure_destroys_the_workload(kube_stack: KubeStack) -> None:
     ks = kube_stack
     run_id = rid()
+    first_error = Observe(ks.store).max_provider_error_id() + 1
     ks.proxy.fail("POST", r"/secrets$", 422, message=f"invalid value {SECRET}")
     with pytest.raises(TerminalProviderError, match="HTTP 422") as info:
         producer.acquire_lease(run_id, {"secret_env": {"API_KEY": SECRET}}).get(60)
     assert SECRET not in str(info.value)
+    # one provider API error, with its class and HTTP status (the exporter's labels)
+    assert [(e.provider, e.operation, e.task, e.error_class, e.status, e.error_type)
+            for e in Observe(ks.store).provider_errors_from(first_error, 100)] == [
+        ("kubernetes", "acquire", "lease.acquire", "terminal", 422, "TerminalProviderError")]
     (lease,) = ks.store.leases()
     assert lease.state == LeaseState.DESTROYED and lease.end_reason == "acquire_failed"
     assert ks.run(run_id).status == RunStatus.FAILED

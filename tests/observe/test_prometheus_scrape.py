@@ -80,6 +80,8 @@ def test_prometheus_reads_lease_metrics_while_leases_move(
         with pytest.raises(TerminalProviderError):
             producer.acquire_lease(rid(), {"provider": "faulty"}).get(90)
         prom.wait_value('leasekeeper_acquires_total{provider="faulty",outcome="failed"}', 1)
+        prom.wait_value('leasekeeper_provider_errors_total{provider="faulty",'
+                        'error_class="terminal",status="none"}', 1)
 
         # When a destroy fails at the attempt cap (1 here), the lease is abandoned: the
         # gauge and the LeaseAbandoned alert (pending for its 1m `for`) show it.

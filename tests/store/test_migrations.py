@@ -8,7 +8,7 @@ from sqlalchemy import create_engine, inspect
 from models.migrate import downgrade, upgrade
 from models.schema import Base
 
-TABLES = ("leases", "runs", "lease_events", "sweep_ticks")
+TABLES = ("leases", "runs", "lease_events", "sweep_ticks", "provider_errors")
 
 
 def index_names(url: str) -> dict[str, set[str]]:
@@ -34,6 +34,7 @@ def test_head_has_the_declared_indexes_and_the_migrations_reverse(store_url: str
     downgrade(store_url, "0001")
     before = index_names(store_url)
     assert "ix_leases_state" in before["leases"] and "ix_runs_status" in before["runs"]
+    assert "provider_errors" not in before  # 0004_errors10 went down
     upgrade(store_url)
     # then it is at head again
     assert index_names(store_url) == declared()

@@ -1,9 +1,10 @@
 """The exporter's metrics: one prometheus-client Collector that, at each scrape, reads the
-store's counts (gauges), tails the lease event log and the sweep tick log by id (counters
-and histograms), and pings the workers.
+store's counts (gauges), tails the lease event log, the sweep tick log and the provider
+error log by id (counters and histograms), and pings the workers.
 
 Why from the store: every lease transition is one committed row of ``lease_events`` and
-every beat tick one row of ``sweep_ticks``, whichever worker or pool process made it, so
+every beat tick one row of ``sweep_ticks``, every provider error one row of
+``provider_errors``, whichever worker or pool process made it, so
 one reader counts each exactly once with any number of prefork processes and workers, and
 nothing in the task code has to know about metrics. Counters start at zero when the
 exporter starts (Prometheus' ``rate()`` handles the reset); run one exporter per store.
@@ -21,7 +22,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from models.observe import UNFINISHED_RUNS, Observe, TailedEvent
-from models.schema import LeaseState, ReclaimOutcome, SweepTick, utcnow
+from models.schema import LeaseState, ProviderErrorClass, ReclaimOutcome, SweepTick, utcnow
 from providers.errors import LeasekeeperError
 from workers.beat import SWEEPS
 from workers.metrics.tail import IdTail, ReclaimTail
@@ -29,6 +30,7 @@ from workers.settings import Settings
 
 log = logging.getLogger("leasekeeper.metrics")
 OTHER_TENANT = "other"
+NO_STATUS = "none"  # the status label of a provider error without an HTTP status
 _DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 # Acquire outcomes, by the state a provisioning lease moved to.
 _ACQUIRE_OUTCOME = {LeaseState.ACTIVE: "active", LeaseState.PENDING_CLEANUP: "failed",
@@ -77,6 +79,7 @@ class LeaseCollector(Collector):
         self._lock = threading.Lock()
         self._events: IdTail | None = None
         self._ticks: IdTail | None = None
+        self._errors: IdTail | None = None
         self._reclaims = ReclaimTail(utcnow())
         self.transitions = Counter(
             "leasekeeper_lease_transitions", "Lease state transitions.",
@@ -112,9 +115,15 @@ class LeaseCollector(Collector):
         self.tick_duration = Histogram(
             "leasekeeper_sweep_tick_duration_seconds", "Duration of ticks that ran.",
             ["sweep"], buckets=_DURATION_BUCKETS_S, registry=None)
+        self.provider_errors = Counter(
+            "leasekeeper_provider_errors", "ProviderErrors provider calls raised, by class "
+            "(transient, terminal) and HTTP status ('none' without one).",
+            ["provider", "error_class", "status"], registry=None)
         # Known label sets start at 0, so the first increment is an increase() too.
         for provider in settings.providers:
             self.orphans.labels(provider)
+            for error_class in ProviderErrorClass:
+                self.provider_errors.labels(provider, error_class.value, NO_STATUS)
             for outcome in sorted(set(_ACQUIRE_OUTCOME.values())):
                 self.acquires.labels(provider, outcome)
             for outcome in sorted(set(_DESTROY_OUTCOME.values())):
@@ -122,7 +131,7 @@ class LeaseCollector(Collector):
         self._derived = [self.transitions, self.acquires, self.acquire_duration,
                          self.destroys, self.destroy_duration, self.orphans,
                          self.not_resumable, self.reclaims, self.ticks, self.tick_outcomes,
-                         self.tick_duration]
+                         self.tick_duration, self.provider_errors]
 
     # -- scrape -----------------------------------------------------------------------
     def collect(self) -> Iterable[Metric]:
@@ -189,14 +198,20 @@ class LeaseCollector(Collector):
 
     # -- the logs, tailed ------------------------------------------------------------
     def _tail(self) -> None:
-        if self._events is None or self._ticks is None:  # count from the exporter's start
+        if self._events is None or self._ticks is None or self._errors is None:
+            # count from the exporter's start
             self._events = IdTail(self.observe.max_event_id() + 1)
             self._ticks = IdTail(self.observe.max_tick_id() + 1)
+            self._errors = IdTail(self.observe.max_provider_error_id() + 1)
             self._reclaims = ReclaimTail(utcnow())
         limit = self.settings.metrics_events_batch_size
         self._count_events(self._events.poll(self.observe.events_from, limit))
         for tick in self._ticks.poll(self.observe.ticks_from, limit):
             self._count_tick(tick)
+        for error in self._errors.poll(self.observe.provider_errors_from, limit):
+            self.provider_errors.labels(
+                error.provider, error.error_class,
+                NO_STATUS if error.status is None else str(error.status)).inc()
         for outcome in self._reclaims.poll(self.observe.reclaims_since):
             self.reclaims.labels(outcome).inc()
 
