@@ -109,9 +109,30 @@ def test_destroy_kills_the_group_and_is_idempotent(rt: Runtime) -> None:
 
 def test_destroy_of_a_term_ignoring_sandbox_escalates_to_sigkill(rt: Runtime) -> None:
     lease_id = acquire(rt, command=["sh", "-c", "trap '' TERM; while :; do sleep 1; done"])
+    # The destroy must come after the shell ignores TERM (a destroy right after the spawn
+    # can beat the trap and end it at once): wait until /proc says SIGTERM is ignored.
+    _wait_until_ignores_sigterm(pid_of(rt, lease_id))
     started = time.monotonic()
     assert destroy_lease(rt, lease_id, "done", None).result == DestroyResult.DESTROYED
     assert time.monotonic() - started >= rt.settings.local_destroy_grace_s * 0.9
+
+
+def _wait_until_ignores_sigterm(pgid: int, timeout_s: float = 30.0) -> None:
+    """Until a process of the sandbox's group (the user's shell, under the launcher)
+    has SIGTERM in its ignored set."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for pid in _group_members(pgid):
+            try:
+                status = Path(f"/proc/{pid}/status").read_text()
+            except OSError:
+                continue
+            ignored = int(next(line.split()[1] for line in status.splitlines()
+                               if line.startswith("SigIgn:")), 16)
+            if ignored & (1 << (signal.SIGTERM - 1)):
+                return
+        time.sleep(0.01)
+    raise AssertionError(f"no process of group {pgid} ignored SIGTERM within {timeout_s}s")
 
 
 def test_destroy_of_an_already_gone_sandbox_is_success(rt: Runtime) -> None:
