@@ -272,13 +272,17 @@ def store_dump(url: str) -> str:
 def console(contract: Contract) -> str:
     env = contract.stack.env
     cli = [sys.executable, "-m", "workers.cli", "leases"]
-    listed = subprocess.run([*cli, "list"], env=env, cwd=REPO, capture_output=True, text=True,
-                            check=True).stdout
-    shown = [subprocess.run([*cli, "show", line.split()[0]], env=env, cwd=REPO,
+    # Both renderings of the listing: the table and --json (which gives the ids to show).
+    listed = subprocess.run([*cli, "list", "--limit", "1000"], env=env, cwd=REPO,
                             capture_output=True, text=True, check=True).stdout
-             for line in listed.splitlines() if line.strip()]
+    as_json = subprocess.run([*cli, "list", "--limit", "1000", "--json"], env=env, cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout
+    ids = [lease["lease_id"] for lease in json.loads(as_json)["leases"]]
+    shown = [subprocess.run([*cli, "show", lease_id, *form], env=env, cwd=REPO,
+                            capture_output=True, text=True, check=True).stdout
+             for lease_id in ids for form in ((), ("--json",))]
     assert shown, listed
-    return listed + "\n".join(shown)
+    return listed + as_json + "\n".join(shown)
 
 
 # -- malformed payloads: a short, clear error each, and nothing created -------------------
