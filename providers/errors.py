@@ -19,7 +19,8 @@
 
 Every message says what was wrong and what to do; none carries a secret value. Each class
 is constructible from its message alone, so Celery's result backend can rebuild it.
-Which errors a task retries is data: see ``TRANSIENT_ERRORS`` below, read by the retry policy in tasks/base.py (``LeaseTask.retrying``).
+Which errors a task retries is data: see ``TRANSIENT_ERRORS`` below, read by the retry
+policy in tasks/base.py (``LeaseTask.retrying``).
 """
 
 from __future__ import annotations
