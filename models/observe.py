@@ -19,6 +19,7 @@ from typing import Any, cast
 
 from sqlalchemy import Table, delete, func, insert, select
 
+from models.reports import LeaseFilter as LeaseQuery
 from models.schema import (
     TERMINAL_RUN_STATUSES,
     Lease,
@@ -75,10 +76,20 @@ class ErrorRecord:
 
 @dataclass(frozen=True)
 class LeaseFilter:
+    """The console's filter form (one state, age in seconds); the query itself is
+    models.reports.LeaseFilter, shared with `leasekeeper leases list`."""
+
     state: str | None = None
     provider: str | None = None
     tenant: str | None = None
     older_than_s: int | None = None  # created at least this long ago
+
+    def query(self) -> LeaseQuery:
+        return LeaseQuery(
+            states=(self.state,) if self.state else (), provider=self.provider,
+            tenant=self.tenant,
+            created_before=(utcnow() - timedelta(seconds=self.older_than_s)
+                            if self.older_than_s else None))
 
 
 class Observe:
@@ -210,16 +221,7 @@ class Observe:
     # -- the console's pages --------------------------------------------------------------
     def lease_page(self, flt: LeaseFilter, before: str | None, limit: int) -> list[Lease]:
         """Newest first, ``limit`` leases with ``lease_id < before`` (keyset pagination)."""
-        query = select(Lease).order_by(Lease.lease_id.desc()).limit(limit)
-        if flt.state:
-            query = query.where(Lease.state == flt.state)
-        if flt.provider:
-            query = query.where(Lease.provider == flt.provider)
-        if flt.tenant:
-            query = query.where(Lease.tenant == flt.tenant)
-        if flt.older_than_s:
-            query = query.where(
-                Lease.created_at <= utcnow() - timedelta(seconds=flt.older_than_s))
+        query = flt.query().apply(select(Lease).order_by(Lease.lease_id.desc()).limit(limit))
         if before:
             query = query.where(Lease.lease_id < before)
         with self.store.tx() as s:
