@@ -7,11 +7,14 @@ broker) and reads the same store directly to assert on it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,3 +128,34 @@ class WorkerStack:
                 except subprocess.TimeoutExpired:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait(5)
+
+
+@contextlib.contextmanager
+def sending_to(queue: str) -> Iterator[None]:
+    """This test process sends tasks to ``queue``'s lanes while the block runs."""
+    previous = app.conf.task_default_queue
+    app.conf.task_default_queue = queue
+    try:
+        yield
+    finally:
+        app.conf.task_default_queue = previous
+
+
+@contextlib.contextmanager
+def own_queue_stack(prefix: str, broker_url: str, root: Path,
+                    extra_env: dict[str, str] | None = None) -> Iterator[WorkerStack]:
+    """A worker on a fresh SQLite store and an installation queue of its own; this test
+    process sends to it while the block runs."""
+    from models.migrate import upgrade
+
+    queue = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    store_url = f"sqlite:///{root / 'store.db'}"
+    upgrade(store_url)
+    stack = WorkerStack(name=queue, store_url=store_url, root=root, broker_url=broker_url,
+                        extra_env={"LEASEKEEPER_TASK_QUEUE": queue, **(extra_env or {})})
+    with sending_to(queue):
+        try:
+            stack.start_worker()
+            yield stack
+        finally:
+            stack.stop()

@@ -6,14 +6,13 @@ from __future__ import annotations
 import importlib
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import redis
 
 from tasks import producer
 from tests.services import RedisServer
-from tests.stack import WorkerStack
+from tests.stack import WorkerStack, own_queue_stack, sending_to
 from workers.app import TASK_MODULES, app
 from workers.queues import POLL_ORDER, Lane, lane_of, queue_name
 
@@ -25,22 +24,8 @@ NOOP = {"provider": "noop"}
 def lanes_stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
                 ) -> Iterator[WorkerStack]:
     """A worker on an installation queue of its own; this test process sends to it."""
-    from models.migrate import upgrade
-
-    root: Path = tmp_path_factory.mktemp("lanes")
-    base = f"lanes-{uuid.uuid4().hex[:8]}"
-    store_url = f"sqlite:///{root / 'store.db'}"
-    upgrade(store_url)
-    stack = WorkerStack(name=base, store_url=store_url, root=root, broker_url=redis_server.url,
-                        extra_env={"LEASEKEEPER_TASK_QUEUE": base})
-    previous = app.conf.task_default_queue
-    app.conf.task_default_queue = base
-    try:
-        stack.start_worker()
+    with own_queue_stack("lanes", redis_server.url, tmp_path_factory.mktemp("lanes")) as stack:
         yield stack
-    finally:
-        app.conf.task_default_queue = previous
-        stack.stop()
 
 
 def routed_queue(task_name: str) -> str:
@@ -48,9 +33,7 @@ def routed_queue(task_name: str) -> str:
 
 
 def test_each_task_goes_to_its_lane_under_the_installation_queue() -> None:
-    previous = app.conf.task_default_queue
-    app.conf.task_default_queue = "acme"
-    try:
+    with sending_to("acme"):
         assert routed_queue("lease.acquire") == "acme.acquire"
         assert routed_queue("lease.resume_check") == "acme.acquire"
         for name in ("lease.destroy", "sandbox.reclaim", "run.finish", "run.detach",
@@ -60,8 +43,6 @@ def test_each_task_goes_to_its_lane_under_the_installation_queue() -> None:
         assert routed_queue("leasekeeper.ping") == "acme"
         # an explicit queue still wins: a by-name sender may target the base queue
         assert app.amqp.router.route({"queue": "acme"}, "lease.acquire")["queue"].name == "acme"
-    finally:
-        app.conf.task_default_queue = previous
 
 
 def test_every_registered_task_has_a_lane() -> None:

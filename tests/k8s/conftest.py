@@ -309,13 +309,11 @@ def kube_stack_pool(kube_cluster: ClusterAccess, kube_api: client.ApiClient, kub
 @pytest.fixture
 def kube_stack(kube_stack_pool: KubeStackPool) -> Iterator[KubeStack]:
     """A fresh kubernetes worker stack; this test process sends tasks to its queue."""
-    from workers.app import app
+    from tests.stack import sending_to
 
     ks = kube_stack_pool.take()
-    previous = app.conf.task_default_queue
-    app.conf.task_default_queue = ks.queue
     try:
-        yield ks
+        with sending_to(ks.queue):
+            yield ks
     finally:
-        app.conf.task_default_queue = previous
         kube_stack_pool.retire(ks)

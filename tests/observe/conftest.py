@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,26 +24,12 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def own_stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
               ) -> Iterator[WorkerStack]:
-    from models.migrate import upgrade
-    from tests.stack import WorkerStack
-    from workers.app import app
+    from tests.stack import own_queue_stack
 
-    root = tmp_path_factory.mktemp("observe-stack")
-    queue = f"observe-{uuid.uuid4().hex[:8]}"
-    store_url = f"sqlite:///{root / 'store.db'}"
-    upgrade(store_url)
-    stack = WorkerStack(name=queue, store_url=store_url, root=root, broker_url=redis_server.url,
-                        extra_env={"LEASEKEEPER_TASK_QUEUE": queue,
-                                   # the first failed destroy abandons the lease
-                                   "LEASEKEEPER_CLEANUP_MAX_ATTEMPTS": "1"})
-    previous = app.conf.task_default_queue
-    app.conf.task_default_queue = queue
-    try:
-        stack.start_worker()
+    # the first failed destroy abandons the lease
+    with own_queue_stack("observe", redis_server.url, tmp_path_factory.mktemp("observe-stack"),
+                         {"LEASEKEEPER_CLEANUP_MAX_ATTEMPTS": "1"}) as stack:
         yield stack
-    finally:
-        app.conf.task_default_queue = previous
-        stack.stop()
 
 
 @contextlib.contextmanager
