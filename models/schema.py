@@ -8,6 +8,7 @@ SQLite and PostgreSQL alike.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -135,6 +136,38 @@ class Lease(Base):
         Index("ix_leases_state_lease_id", "state", "lease_id"),
         Index("ix_leases_tenant_lease_id", "tenant", "lease_id"),
     )
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    """A leases row as the store's plain-SQL path reads it (models/rawsql.py): detached,
+    for reading; the fields are Lease's columns, in the table's order."""
+
+    lease_id: str
+    sandbox_key: str
+    live_key: str | None
+    provider: str
+    provider_lease_id: str
+    backend: str | None
+    provider_meta: dict[str, Any]
+    state: str
+    reuse: bool
+    tenant: str
+    thread_id: str | None
+    run_id: str | None
+    spec: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+    ready_at: datetime | None
+    acquire_deadline_at: datetime
+    deadline_at: datetime
+    idle_timeout_s: int
+    idle_deadline_at: datetime | None
+    cleanup_attempts: int
+    next_cleanup_at: datetime | None
+    end_reason: str | None
+    last_error: str | None
+    version: int
 
 
 class Run(Base):
