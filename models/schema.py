@@ -192,6 +192,8 @@ class Run(Base):
 
     __table_args__ = (
         Index("ix_runs_status_detached", "status", "detached_since"),
+        # every lease end settles the runs on its lease (models/rawsql.py)
+        Index("ix_runs_lease_id", "lease_id"),
         # sweep.reap_runs' lost reclaims: only the runs whose reclaim has no outcome yet.
         Index("ix_runs_reclaim_pending", "finished_at", **where(UNRECLAIMED)),
         Index("ix_runs_reclaimed_at", "reclaimed_at"),

@@ -10,6 +10,8 @@ StoreError, never as SQLAlchemy exceptions.
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -28,7 +30,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.pool import QueuePool
+from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 
 from models.rawsql import Change, RawSql
 from models.schema import (
@@ -117,6 +119,18 @@ def _pg_connect_args(url: str) -> dict[str, Any]:
     return {"connect_timeout": 5} if url.startswith("postgresql") else {}
 
 
+# A kept hot-path connection is returned to the pool and replaced after this long, as
+# the pool recycles its own (PostgreSQL: pool_recycle).
+HOT_RECYCLE_S = 1800.0
+
+
+@dataclass
+class _HotConnection:
+    conn: PoolProxiedConnection
+    cursor: Any
+    since_s: float
+
+
 class Store:
     def __init__(self, url: str) -> None:
         self.url = url
@@ -125,8 +139,12 @@ class Store:
         self._skip_locked = self.engine.dialect.name == "postgresql"
         self.raw = RawSql(self.engine.dialect.name)
         self._dbapi: Any = self.engine.dialect.dbapi
+        self._local = threading.local()
 
     def dispose(self) -> None:
+        hot = getattr(self._local, "hot", None)
+        if hot is not None:
+            self._drop_hot(hot)
         self.engine.dispose()
 
     @contextlib.contextmanager
@@ -153,49 +171,69 @@ class Store:
             f"the lease store at {self.engine.url.render_as_string(hide_password=True)}"
             f" is unavailable ({type(orig).__name__}: {str(orig)[:200]}); the task will retry")
 
-    @contextlib.contextmanager
-    def raw_tx(self, single_statement: bool = False) -> Iterator[Any]:
-        """A DBAPI cursor in one transaction, for the plain-SQL hot path (models/rawsql.py):
-        SQLite's ``BEGIN IMMEDIATE`` ... ``COMMIT``; on PostgreSQL, with
-        ``single_statement``, autocommit (one statement is its own transaction: one round
-        trip, no BEGIN/COMMIT). Errors are translated as in :meth:`tx`; the driver's
-        IntegrityError passes through (after the rollback) for the caller to decide."""
-        dbapi = self._dbapi
+    def _hot(self) -> _HotConnection:
+        """This thread's connection for the plain-SQL path, checked out of the pool once
+        and kept (a checkout per statement cost more than the statement on PostgreSQL);
+        in autocommit on PostgreSQL; replaced after a failure or after pool_recycle."""
+        hot: _HotConnection | None = getattr(self._local, "hot", None)
+        if hot is not None and hot.conn.is_valid and (
+                time.monotonic() - hot.since_s < HOT_RECYCLE_S):
+            return hot
+        if hot is not None:
+            self._drop_hot(hot)
         try:
             conn = self.engine.raw_connection()
         except SQLAlchemyError as exc:
-            orig = getattr(exc, "orig", None) or exc
-            raise self._unavailable(orig) from None
-        autocommit = single_statement and self.raw.pg
+            raise self._unavailable(getattr(exc, "orig", None) or exc) from None
+        if self.raw.pg:
+            conn.driver_connection.autocommit = True  # type: ignore[union-attr]
+        hot = _HotConnection(conn, conn.cursor(), time.monotonic())
+        self._local.hot = hot
+        return hot
+
+    def _drop_hot(self, hot: _HotConnection, invalidate: bool = False) -> None:
+        self._local.hot = None
+        with contextlib.suppress(Exception):  # a dead connection may fail in any way here
+            if invalidate:
+                hot.conn.invalidate()
+            else:
+                if self.raw.pg and hot.conn.is_valid:
+                    hot.conn.driver_connection.autocommit = False  # type: ignore[union-attr]
+                hot.conn.close()
+
+    @contextlib.contextmanager
+    def raw_tx(self) -> Iterator[Any]:
+        """A DBAPI cursor for the plain-SQL hot path (models/rawsql.py): on SQLite, one
+        ``BEGIN IMMEDIATE`` ... ``COMMIT`` transaction; on PostgreSQL, ONE statement, in
+        autocommit (its own transaction: one round trip, no BEGIN/COMMIT). Errors are
+        translated as in :meth:`tx`; the driver's IntegrityError passes through (after
+        the rollback) for the caller to decide."""
+        dbapi = self._dbapi
+        hot = self._hot()
         try:
-            if autocommit:
-                conn.driver_connection.autocommit = True  # type: ignore[union-attr]
-            cur = conn.cursor()
             if not self.raw.pg:
-                cur.execute("BEGIN IMMEDIATE")
-            yield cur
-            if not autocommit:
-                conn.commit()
+                hot.cursor.execute("BEGIN IMMEDIATE")
+            yield hot.cursor
+            if not self.raw.pg:
+                hot.conn.commit()
         except BaseException as exc:
             broken = isinstance(exc, dbapi.Error) and self.engine.dialect.is_disconnect(
-                exc, conn, None)
-            if broken:
-                conn.invalidate()
-            else:
-                with contextlib.suppress(dbapi.Error):
-                    conn.rollback()
+                exc, hot.conn.driver_connection, hot.cursor)
+            if broken or not isinstance(exc, Exception):
+                self._drop_hot(hot, invalidate=True)
+            elif not self.raw.pg:
+                try:
+                    hot.conn.rollback()
+                except dbapi.Error:
+                    self._drop_hot(hot, invalidate=True)
             if isinstance(exc, dbapi.IntegrityError):
                 raise
             if isinstance(exc, dbapi.OperationalError | dbapi.InterfaceError) or broken:
+                self._drop_hot(hot, invalidate=True)
                 raise self._unavailable(exc) from None
             if isinstance(exc, dbapi.Error):
                 raise StoreError(f"lease store error: {str(exc)[:300]}") from None
             raise
-        finally:
-            if autocommit and conn.is_valid:
-                with contextlib.suppress(dbapi.Error):
-                    conn.driver_connection.autocommit = False  # type: ignore[union-attr]
-            conn.close()
 
     # -- reads -------------------------------------------------------------------------
     def get_lease(self, lease_id: str) -> Lease:
@@ -380,7 +418,7 @@ class Store:
                  "deadline_at": new.deadline_at, "idle_timeout_s": new.idle_timeout_s,
                  "cleanup_attempts": 0, "version": 1}
         try:
-            with self.raw_tx(single_statement=True) as cur:
+            with self.raw_tx() as cur:
                 if not self.raw.start_run_with_intent(
                         cur, run, lease, f"intent recorded for run {run_id}", task_id, now):
                     return None
@@ -412,7 +450,7 @@ class Store:
         """
         change = Change(lease_id, frozenset(expected), to, reason, task_id, values,
                         first_end_reason)
-        with self.raw_tx(single_statement=True) as cur:
+        with self.raw_tx() as cur:
             return self.raw.transition(cur, change, utcnow())
 
     def extend_acquire_deadline(self, run_id: str, until: datetime) -> int:
