@@ -8,6 +8,7 @@ SQLite and PostgreSQL alike.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
@@ -137,6 +138,38 @@ class Lease(Base):
     )
 
 
+@dataclass(frozen=True, slots=True)
+class LeaseRecord:
+    """A leases row as the store's plain-SQL path reads it (models/rawsql.py): detached,
+    for reading; the fields are Lease's columns, in the table's order."""
+
+    lease_id: str
+    sandbox_key: str
+    live_key: str | None
+    provider: str
+    provider_lease_id: str
+    backend: str | None
+    provider_meta: dict[str, Any]
+    state: str
+    reuse: bool
+    tenant: str
+    thread_id: str | None
+    run_id: str | None
+    spec: dict[str, Any]
+    created_at: datetime
+    updated_at: datetime
+    ready_at: datetime | None
+    acquire_deadline_at: datetime
+    deadline_at: datetime
+    idle_timeout_s: int
+    idle_deadline_at: datetime | None
+    cleanup_attempts: int
+    next_cleanup_at: datetime | None
+    end_reason: str | None
+    last_error: str | None
+    version: int
+
+
 class Run(Base):
     __tablename__ = "runs"
 
@@ -159,6 +192,8 @@ class Run(Base):
 
     __table_args__ = (
         Index("ix_runs_status_detached", "status", "detached_since"),
+        # every lease end settles the runs on its lease (models/rawsql.py)
+        Index("ix_runs_lease_id", "lease_id"),
         # sweep.reap_runs' lost reclaims: only the runs whose reclaim has no outcome yet.
         Index("ix_runs_reclaim_pending", "finished_at", **where(UNRECLAIMED)),
         Index("ix_runs_reclaimed_at", "reclaimed_at"),

@@ -10,6 +10,8 @@ StoreError, never as SQLAlchemy exceptions.
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -28,16 +30,16 @@ from sqlalchemy import (
 )
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
-from sqlalchemy.pool import QueuePool
+from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 
+from models.rawsql import Change, RawSql
 from models.schema import (
     FINAL_STATES,
-    LIVE_STATES,
     TERMINAL_RUN_STATUSES,
     Lease,
     LeaseEvent,
+    LeaseRecord,
     LeaseState,
-    ReclaimOutcome,
     Run,
     RunStatus,
     utcnow,
@@ -54,41 +56,6 @@ def _rowcount(result: Any) -> int:
 
 
 UNFINISHED_RUN_STATUSES = (RunStatus.RUNNING, RunStatus.INTERRUPTED)
-
-
-def settle_runs_on_lease_end(s: Session, lease_id: str, frm: str | None, to: str,
-                             end_reason: str | None) -> str:
-    """Inside a lease transition's transaction, keep its runs truthful; returns a note for
-    the transition's event when a reclaim outcome changed (empty otherwise).
-
-    - the lease ended (destroyed or abandoned): every run still running or interrupted on
-      it is aborted with the lease's end reason (its sandbox is gone, or given up on);
-    - destroyed: a reclaim that reported ``destroy-failed`` now has its final outcome,
-      ``destroyed`` (the failure stays in the lease's history);
-    - a destroyed lease going back to cleanup (its resource was still there): a reclaim
-      that reported ``destroyed`` is ``destroy-failed`` until a destroy really takes.
-    """
-    runs, now = _RUNS, utcnow()
-    notes: list[str] = []
-    if to in FINAL_STATES:
-        # The run row itself says why (its error names the lease and its end reason).
-        s.execute(update(runs).where(
-            runs.c.lease_id == lease_id, runs.c.status.in_(UNFINISHED_RUN_STATUSES))
-            .values(status=RunStatus.ABORTED, finished_at=now, reclaim_due=False,
-                    reclaim_claimed_until=None,
-                    error=f"its lease {lease_id} ended: {end_reason or to}"))
-    flip: tuple[ReclaimOutcome, ReclaimOutcome] | None = None
-    if to == LeaseState.DESTROYED:
-        flip = (ReclaimOutcome.DESTROY_FAILED, ReclaimOutcome.DESTROYED)
-    elif frm == LeaseState.DESTROYED:
-        flip = (ReclaimOutcome.DESTROYED, ReclaimOutcome.DESTROY_FAILED)
-    if flip is not None:
-        was, becomes = flip
-        flipped = s.scalars(update(runs).where(
-            runs.c.lease_id == lease_id, runs.c.reclaim_outcome == was)
-            .values(reclaim_outcome=becomes, reclaimed_at=now).returning(runs.c.run_id)).all()
-        notes += [f"reclaim of run {run_id}: {was} → {becomes}" for run_id in flipped]
-    return "; ".join(notes)
 
 
 class LiveLeaseExists(StoreError):
@@ -152,14 +119,32 @@ def _pg_connect_args(url: str) -> dict[str, Any]:
     return {"connect_timeout": 5} if url.startswith("postgresql") else {}
 
 
+# A kept hot-path connection is returned to the pool and replaced after this long, as
+# the pool recycles its own (PostgreSQL: pool_recycle).
+HOT_RECYCLE_S = 1800.0
+
+
+@dataclass
+class _HotConnection:
+    conn: PoolProxiedConnection
+    cursor: Any
+    since_s: float
+
+
 class Store:
     def __init__(self, url: str) -> None:
         self.url = url
         self.engine = make_engine(url)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._skip_locked = self.engine.dialect.name == "postgresql"
+        self.raw = RawSql(self.engine.dialect.name)
+        self._dbapi: Any = self.engine.dialect.dbapi
+        self._local = threading.local()
 
     def dispose(self) -> None:
+        hot = getattr(self._local, "hot", None)
+        if hot is not None:
+            self._drop_hot(hot)
         self.engine.dispose()
 
     @contextlib.contextmanager
@@ -180,6 +165,75 @@ class Store:
             raise StoreError(f"lease store error: {str(exc.orig)[:300]}") from None
         except SQLAlchemyError as exc:
             raise StoreError(f"lease store error: {exc!s:.300}") from None
+
+    def _unavailable(self, orig: BaseException) -> StoreUnavailable:
+        return StoreUnavailable(
+            f"the lease store at {self.engine.url.render_as_string(hide_password=True)}"
+            f" is unavailable ({type(orig).__name__}: {str(orig)[:200]}); the task will retry")
+
+    def _hot(self) -> _HotConnection:
+        """This thread's connection for the plain-SQL path, checked out of the pool once
+        and kept (a checkout per statement cost more than the statement on PostgreSQL);
+        in autocommit on PostgreSQL; replaced after a failure or after pool_recycle."""
+        hot: _HotConnection | None = getattr(self._local, "hot", None)
+        if hot is not None and hot.conn.is_valid and (
+                time.monotonic() - hot.since_s < HOT_RECYCLE_S):
+            return hot
+        if hot is not None:
+            self._drop_hot(hot)
+        try:
+            conn = self.engine.raw_connection()
+        except SQLAlchemyError as exc:
+            raise self._unavailable(getattr(exc, "orig", None) or exc) from None
+        if self.raw.pg:
+            conn.driver_connection.autocommit = True  # type: ignore[union-attr]
+        hot = _HotConnection(conn, conn.cursor(), time.monotonic())
+        self._local.hot = hot
+        return hot
+
+    def _drop_hot(self, hot: _HotConnection, invalidate: bool = False) -> None:
+        self._local.hot = None
+        with contextlib.suppress(Exception):  # a dead connection may fail in any way here
+            if invalidate:
+                hot.conn.invalidate()
+            else:
+                if self.raw.pg and hot.conn.is_valid:
+                    hot.conn.driver_connection.autocommit = False  # type: ignore[union-attr]
+                hot.conn.close()
+
+    @contextlib.contextmanager
+    def raw_tx(self) -> Iterator[Any]:
+        """A DBAPI cursor for the plain-SQL hot path (models/rawsql.py): on SQLite, one
+        ``BEGIN IMMEDIATE`` ... ``COMMIT`` transaction; on PostgreSQL, ONE statement, in
+        autocommit (its own transaction: one round trip, no BEGIN/COMMIT). Errors are
+        translated as in :meth:`tx`; the driver's IntegrityError passes through (after
+        the rollback) for the caller to decide."""
+        dbapi = self._dbapi
+        hot = self._hot()
+        try:
+            if not self.raw.pg:
+                hot.cursor.execute("BEGIN IMMEDIATE")
+            yield hot.cursor
+            if not self.raw.pg:
+                hot.conn.commit()
+        except BaseException as exc:
+            broken = isinstance(exc, dbapi.Error) and self.engine.dialect.is_disconnect(
+                exc, hot.conn.driver_connection, hot.cursor)
+            if broken or not isinstance(exc, Exception):
+                self._drop_hot(hot, invalidate=True)
+            elif not self.raw.pg:
+                try:
+                    hot.conn.rollback()
+                except dbapi.Error:
+                    self._drop_hot(hot, invalidate=True)
+            if isinstance(exc, dbapi.IntegrityError):
+                raise
+            if isinstance(exc, dbapi.OperationalError | dbapi.InterfaceError) or broken:
+                self._drop_hot(hot, invalidate=True)
+                raise self._unavailable(exc) from None
+            if isinstance(exc, dbapi.Error):
+                raise StoreError(f"lease store error: {str(exc)[:300]}") from None
+            raise
 
     # -- reads -------------------------------------------------------------------------
     def get_lease(self, lease_id: str) -> Lease:
@@ -343,6 +397,39 @@ class Store:
             ) from None
         return Lease(**row._mapping)
 
+    def start_run_with_intent(self, run_id: str, new: NewLease,
+                              task_id: str | None) -> LeaseRecord | None:
+        """A new run and its lease intent in one transaction (one statement on
+        PostgreSQL): the common acquire. None, with nothing written, if the run already
+        exists (the caller takes the general path); LiveLeaseExists if the key has a live
+        lease (nothing written either: not even the run)."""
+        now = utcnow()
+        run = {"run_id": run_id, "thread_id": new.thread_id, "status": RunStatus.RUNNING.value,
+               "provider": new.provider, "sandbox_key": new.sandbox_key,
+               "lease_id": new.lease_id, "started_at": self.raw.time(now),
+               "cancel_requested": False, "reclaim_due": False}
+        lease: dict[str, Any] = {"lease_id": new.lease_id, "sandbox_key": new.sandbox_key,
+                 "live_key": new.sandbox_key, "provider": new.provider,
+                 "provider_lease_id": new.provider_lease_id, "provider_meta": {},
+                 "state": LeaseState.PROVISIONING.value, "reuse": new.reuse,
+                 "tenant": new.tenant, "thread_id": new.thread_id, "run_id": new.run_id,
+                 "spec": new.spec, "created_at": now, "updated_at": now,
+                 "acquire_deadline_at": new.acquire_deadline_at,
+                 "deadline_at": new.deadline_at, "idle_timeout_s": new.idle_timeout_s,
+                 "cleanup_attempts": 0, "version": 1}
+        try:
+            with self.raw_tx() as cur:
+                if not self.raw.start_run_with_intent(
+                        cur, run, lease, f"intent recorded for run {run_id}", task_id, now):
+                    return None
+        except self._dbapi.IntegrityError:
+            raise LiveLeaseExists(
+                f"sandbox key {new.sandbox_key!r} already has a live lease") from None
+        return LeaseRecord(**{**lease, "backend": None, "live_key": new.sandbox_key,
+                              "ready_at": None, "idle_deadline_at": None,
+                              "next_cleanup_at": None, "end_reason": None,
+                              "last_error": None})
+
     def transition(
         self,
         lease_id: str,
@@ -350,49 +437,21 @@ class Store:
         to: LeaseState,
         reason: str,
         task_id: str | None = None,
+        first_end_reason: str | None = None,
         **values: Any,
-    ) -> Lease | None:
+    ) -> LeaseRecord | None:
         """Move a lease from one of ``expected`` to ``to``; None if another worker won.
 
-        The hot path of every task, so it is plain SQL (no unit of work) and few round
-        trips: ``UPDATE ... WHERE state = :from RETURNING`` the new row, then the event, in
-        one transaction. With several expected states the current one is read first, under
-        a row lock (PostgreSQL) or the write lock BEGIN IMMEDIATE took (SQLite), so the
-        event names the state it really left. The returned Lease is detached, for reading.
+        The hot path of every task: plain SQL (models/rawsql.py), one transaction: the
+        guarded ``UPDATE ... WHERE state = :from``, the runs a lease end settles, and the
+        event, which names the state the lease really left (one statement and one round
+        trip on PostgreSQL). ``first_end_reason`` sets end_reason only if the lease has
+        none. The returned LeaseRecord is detached, for reading.
         """
-        expected = frozenset(expected)
-        leases = _LEASES
-        with self.tx() as s:
-            from_state: str | None
-            if len(expected) == 1:
-                (from_state,) = expected
-            else:
-                query = select(leases.c.state).where(leases.c.lease_id == lease_id)
-                if self._skip_locked:
-                    query = query.with_for_update()
-                from_state = s.execute(query).scalar_one_or_none()
-                if from_state is None:
-                    raise NotFound(f"no lease {lease_id!r} in the store")
-                if from_state not in expected:
-                    return None
-            row = s.execute(
-                update(leases)
-                .where(leases.c.lease_id == lease_id, leases.c.state == from_state)
-                .values(state=to, updated_at=utcnow(), version=leases.c.version + 1,
-                        live_key=leases.c.sandbox_key if to in LIVE_STATES else None,
-                        **values)
-                .returning(*leases.c)
-            ).one_or_none()
-            if row is None:
-                if s.execute(select(leases.c.lease_id)
-                             .where(leases.c.lease_id == lease_id)).first() is None:
-                    raise NotFound(f"no lease {lease_id!r} in the store")
-                return None
-            note = settle_runs_on_lease_end(s, lease_id, from_state, to, row.end_reason)
-            s.execute(insert(_EVENTS).values(
-                lease_id=lease_id, at=utcnow(), from_state=from_state, to_state=to,
-                reason=(f"{reason} ({note})" if note else reason)[:2000], task_id=task_id))
-        return Lease(**row._mapping)
+        change = Change(lease_id, frozenset(expected), to, reason, task_id, values,
+                        first_end_reason)
+        with self.raw_tx() as cur:
+            return self.raw.transition(cur, change, utcnow())
 
     def extend_acquire_deadline(self, run_id: str, until: datetime) -> int:
         """Push the acquire deadline of the run's provisioning lease out to ``until``.

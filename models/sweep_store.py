@@ -22,9 +22,9 @@ from sqlalchemy import ColumnElement, Table, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from models.rawsql import Change
 from models.schema import (
     FINAL_STATES,
-    LIVE_STATES,
     TERMINAL_RUN_STATUSES,
     Lease,
     LeaseEvent,
@@ -33,7 +33,7 @@ from models.schema import (
     RunStatus,
     utcnow,
 )
-from models.store import UNFINISHED_RUN_STATUSES, Store, settle_runs_on_lease_end
+from models.store import UNFINISHED_RUN_STATUSES, Store
 
 L = cast(Table, Lease.__table__)
 E = cast(Table, LeaseEvent.__table__)
@@ -84,22 +84,15 @@ class LeaseIndex:
         return self.by_name.get(name) or (self.by_id.get(lease_id) if lease_id else None)
 
 
-def move(s: Session, lease_id: str, frm: str, to: LeaseState, reason: str,
-         task_id: str | None, *guards: ColumnElement[bool], **values: Any) -> bool:
-    """One guarded state change inside ``s``: True if this caller won it."""
-    row = s.execute(
-        update(L).where(L.c.lease_id == lease_id, L.c.state == frm, *guards)
-        .values(state=to, updated_at=utcnow(), version=L.c.version + 1,
-                live_key=L.c.sandbox_key if to in LIVE_STATES else None, **values)
-        .returning(L.c.lease_id, L.c.end_reason)
-    ).one_or_none()
-    if row is None:
-        return False
-    note = settle_runs_on_lease_end(s, lease_id, frm, to, row.end_reason)
-    s.execute(insert(E).values(lease_id=lease_id, at=utcnow(), from_state=frm, to_state=to,
-                               reason=(f"{reason} ({note})" if note else reason)[:2000],
-                               task_id=task_id))
-    return True
+def move(s: Session, store: Store, lease_id: str, frm: str, to: LeaseState, reason: str,
+         task_id: str | None, guard: str, guard_params: dict[str, Any], **values: Any) -> bool:
+    """One guarded state change inside ``s`` (the store's own plain-SQL transition, on the
+    session's connection: the same statements as every task's); True if this caller won.
+    ``guard`` is an extra SQL condition over the lease row, with ``guard_params``."""
+    cursor = s.connection().connection.cursor()
+    change = Change(lease_id, frozenset({frm}), to, reason, task_id, values,
+                    guard=guard, guard_params=guard_params)
+    return store.raw.transition(cursor, change, utcnow()) is not None
 
 
 class SweepStore:
@@ -235,9 +228,11 @@ class SweepStore:
                 deadline = s.scalar(select(L.c.deadline_at).where(L.c.lease_id == lease_id))
                 kind = "expired" if deadline is not None and deadline <= now else "idle"
                 what = "absolute deadline" if kind == "expired" else "idle timeout"
-                if move(s, lease_id, LeaseState.ACTIVE, LeaseState.PENDING_CLEANUP,
-                        f"{kind}: past its {what} (sweep.expire_leases)", task_id, past,
-                        end_reason=kind, next_cleanup_at=now + timedelta(seconds=claim_s)):
+                if move(s, self.store, lease_id, LeaseState.ACTIVE, LeaseState.PENDING_CLEANUP,
+                        f"{kind}: past its {what} (sweep.expire_leases)", task_id,
+                        "deadline_at <= :g_now OR idle_deadline_at <= :g_now",
+                        {"g_now": self.store.raw.time(now)}, end_reason=kind,
+                        next_cleanup_at=now + timedelta(seconds=claim_s)):
                     claimed.append(Expiry(lease_id, kind))
         return claimed
 
@@ -273,7 +268,9 @@ class SweepStore:
                         f"destroy claim expired (the worker died?); attempt {attempts} of "
                         f"{max_attempts}")
                     extra = {"next_cleanup_at": now}
-                if move(s, lease_id, LeaseState.DESTROYING, to, reason, task_id, stale,
+                if move(s, self.store, lease_id, LeaseState.DESTROYING, to, reason, task_id,
+                        "updated_at <= :g_cutoff",
+                        {"g_cutoff": self.store.raw.time(now - timedelta(seconds=claim_s))},
                         cleanup_attempts=attempts, **extra):
                     moved.append((lease_id, to))
         return moved
@@ -387,7 +384,9 @@ class SweepStore:
             else:
                 to = LeaseState.PENDING_CLEANUP
                 extra = {"next_cleanup_at": now + timedelta(seconds=claim_s)}
-            won = move(s, lease_id, LeaseState.DESTROYED, to, reason, task_id, destroyed_before,
+            won = move(s, self.store, lease_id, LeaseState.DESTROYED, to, reason, task_id,
+                       "updated_at < :g_listed_at",
+                       {"g_listed_at": self.store.raw.time(listed_at)},
                        cleanup_attempts=attempts, last_error="resource still present after "
                        "its destroy", **(found or {}), **extra)
         return to if won else None

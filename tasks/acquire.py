@@ -13,12 +13,13 @@ Order, each step one guarded transaction:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from models.schema import Lease, LeaseState, RunStatus, utcnow
+from models.schema import Lease, LeaseRecord, LeaseState, RunStatus, utcnow
 from models.store import LiveLeaseExists, NewLease
 from providers.base import AcquireOutcome, AcquireRequest, Provider, ResumeOutcome
 from providers.errors import (
@@ -75,6 +76,14 @@ def acquire_lease(
     provider_name = spec.provider or rt.settings.provider
     provider = rt.provider(provider_name)
     key = sandbox_key(spec, provider_name, run_id)
+    if not spec.reuse:
+        # The common case, a new run's own sandbox: run row and intent in one transaction.
+        # A run that exists already, or a key that is taken, takes the general path below.
+        with contextlib.suppress(LiveLeaseExists):
+            fresh = store.start_run_with_intent(
+                run_id, _new_lease(rt, provider, spec, key, run_id), task_id)
+            if fresh is not None:
+                return _provision(rt, provider, fresh, run_id, spec, task_id, may_retry)
     run = store.start_run(run_id, spec.thread_id, provider_name, key)
     if run.status != RunStatus.RUNNING:
         raise InvalidRequest(f"run {run_id} is {run.status}; start a new run to get a sandbox")
@@ -98,17 +107,8 @@ def acquire_lease(
         if reused is not None:
             return reused
 
-    lease_id = new_lease_id()
-    ttl_s = spec.ttl_s or rt.settings.lease_ttl_s
     try:
-        intent = store.create_intent(NewLease(
-            lease_id=lease_id, sandbox_key=key, provider=provider_name,
-            provider_lease_id=provider.lease_name(lease_id), reuse=spec.reuse,
-            tenant=spec.tenant, thread_id=spec.thread_id, run_id=run_id, spec=spec.redacted(),
-            acquire_deadline_at=later(rt.settings.acquire_timeout_s),
-            deadline_at=later(ttl_s),
-            idle_timeout_s=spec.idle_timeout_s or rt.settings.lease_idle_timeout_s,
-        ), task_id)
+        intent = store.create_intent(_new_lease(rt, provider, spec, key, run_id), task_id)
     except LiveLeaseExists:
         if spec.reuse:  # another run of the thread is acquiring it right now: retry, then reuse
             raise TransientProviderError(
@@ -119,6 +119,19 @@ def acquire_lease(
             "or another sandbox_key"
         ) from None
     return _provision(rt, provider, intent, run_id, spec, task_id, may_retry)
+
+
+def _new_lease(rt: Runtime, provider: Provider, spec: SandboxSpec, key: str,
+               run_id: str) -> NewLease:
+    lease_id = new_lease_id()
+    return NewLease(
+        lease_id=lease_id, sandbox_key=key, provider=provider.name,
+        provider_lease_id=provider.lease_name(lease_id), reuse=spec.reuse,
+        tenant=spec.tenant, thread_id=spec.thread_id, run_id=run_id, spec=spec.redacted(),
+        acquire_deadline_at=later(rt.settings.acquire_timeout_s),
+        deadline_at=later(spec.ttl_s or rt.settings.lease_ttl_s),
+        idle_timeout_s=spec.idle_timeout_s or rt.settings.lease_idle_timeout_s,
+    )
 
 
 def _try_reuse(
@@ -152,7 +165,7 @@ def _try_reuse(
 
 
 def _provision(
-    rt: Runtime, provider: Provider, lease: Lease, run_id: str, spec: SandboxSpec,
+    rt: Runtime, provider: Provider, lease: Lease | LeaseRecord, run_id: str, spec: SandboxSpec,
     task_id: str | None, may_retry: bool,
 ) -> Acquisition:
     store = rt.store

@@ -16,10 +16,11 @@ and the worker redacts whatever a client sent (tasks/redaction.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from celery import Task
@@ -43,6 +44,12 @@ ID_FIELDS = frozenset({"lease_id", "run_id"})
 __all__ = ["LeaseTask", "check_payload", "redact"]
 
 
+@functools.lru_cache(maxsize=64)
+def _parameters(run: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
+    """A task's keyword parameters (read once per task: every message is checked)."""
+    return inspect.signature(run).parameters
+
+
 def check_payload(name: str, run: Callable[..., Any], args: tuple[Any, ...],
                   kwargs: dict[str, Any], max_bytes: int) -> None:
     """Refuse a payload the task cannot take, before anything is looked up."""
@@ -57,7 +64,7 @@ def check_payload(name: str, run: Callable[..., Any], args: tuple[Any, ...],
             f"invalid {name} payload: {size} bytes, over the {max_bytes}-byte limit "
             "(LEASEKEEPER_MAX_PAYLOAD_BYTES); send ids and small specs"
         )
-    params = inspect.signature(run).parameters
+    params = _parameters(run)
     unknown = [k for k in kwargs if k not in params]
     missing = [p.name for p in params.values()
                if p.default is inspect.Parameter.empty and p.name not in kwargs]

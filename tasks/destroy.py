@@ -17,9 +17,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import func
-
-from models.schema import FINAL_STATES, LIVE_STATES, Lease, LeaseState
+from models.schema import FINAL_STATES, LIVE_STATES, LeaseState
 from providers.errors import (
     CleanupAbandoned,
     InvalidRequest,
@@ -66,7 +64,7 @@ def destroy_lease(rt: Runtime, lease_id: str, reason: str, task_id: str | None) 
     store = rt.store
     claimed = store.transition(lease_id, DESTROYABLE, LeaseState.DESTROYING,
                                f"destroy: {reason}", task_id,
-                               end_reason=func.coalesce(Lease.end_reason, reason[:64]))
+                               first_end_reason=reason[:64])
     if claimed is None:
         current = store.get_lease(lease_id)
         if current.state in FINAL_STATES:

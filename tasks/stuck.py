@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from enum import StrEnum
+from typing import Any
 
 from models.schema import Lease, LeaseState, RunStatus, utcnow
 from providers.base import LeaseHandle, ManagedResource, ResumeOutcome
@@ -102,7 +103,7 @@ def _reconcile(ctx: SweepContext, lease: Lease, resource: ManagedResource | None
     if ctx.dry_run:
         tally.add(StuckOutcome.DESTROY_ENQUEUED, lease.lease_id, str(unhealthy))
         return
-    found = ({"backend": resource.backend, "provider_meta": resource.meta}
+    found: dict[str, Any] = ({"backend": resource.backend, "provider_meta": resource.meta}
              if resource is not None else {})
     if rt.store.transition(lease.lease_id, {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP,
                            reason, ctx.task_id, end_reason="acquire_stuck", last_error=reason,

@@ -1,0 +1,343 @@
+"""The store's hot path in plain SQL on the DBAPI connection: a lease state change (with
+its event and its runs' settlement) and a new run's lease intent.
+
+Every lifecycle task pays for these statements, and SQLAlchemy's statement building,
+cache keys and ORM units of work cost about ten times what the database does for them
+(bench/throughput.py), so they are SQL text, written once per dialect and cached:
+
+- SQLite (in-process, no round trips): a few short statements in one ``BEGIN IMMEDIATE``
+  transaction, which holds the write lock, so what they read cannot change under them.
+- PostgreSQL (every statement is a round trip): ONE statement per state change, sent in
+  autocommit, so a change, its event and its runs' settlement cost one round trip. The
+  row is locked (``FOR UPDATE``) and the state re-checked in the same statement; data-
+  modifying CTEs see each other's ``RETURNING`` rows, never each other's writes, which is
+  why each CTE reads ``moved`` rather than the table.
+
+The same functions run inside a SQLAlchemy session's transaction (the sweeps), on the
+session's own DBAPI connection, so there is one implementation of a state change.
+Statements use ``:name`` parameters; for psycopg they are rewritten to ``%(name)s``.
+They are built only from this module's text, the tables' column names and our own enum
+values; every value from outside is a bound parameter (hence the S608 waiver below).
+"""
+# ruff: noqa: S608
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any
+
+from models.schema import (
+    FINAL_STATES,
+    LIVE_STATES,
+    LeaseRecord,
+    LeaseState,
+    ReclaimOutcome,
+    RunStatus,
+)
+from providers.errors import NotFound
+
+LEASE_COLUMNS = tuple(f.name for f in fields(LeaseRecord))
+_TIME_COLUMNS = frozenset({"created_at", "updated_at", "ready_at", "acquire_deadline_at",
+                           "deadline_at", "idle_deadline_at", "next_cleanup_at"})
+_JSON_COLUMNS = frozenset({"provider_meta", "spec"})
+# Columns a transition may set besides the ones it always sets.
+SETTABLE = frozenset(LEASE_COLUMNS) - {"lease_id", "state", "updated_at", "version",
+                                       "live_key", "created_at"}
+UNFINISHED = (RunStatus.RUNNING, RunStatus.INTERRUPTED)
+_PARAM = re.compile(r"(?<![:\w]):([a-z_][a-z0-9_]*)")
+
+
+def _quoted(values: Iterable[str]) -> str:
+    """Our own enum values as SQL literals (never input: they are matched against enums)."""
+    return ", ".join(f"'{v}'" for v in sorted(values))
+
+
+def _flip(frm: str | None, to: str) -> tuple[ReclaimOutcome, ReclaimOutcome] | None:
+    """The reclaim outcome a state change corrects: a destroy that finally took turns
+    ``destroy-failed`` into ``destroyed``; a destroyed lease going back to cleanup (its
+    resource was still there) turns ``destroyed`` into ``destroy-failed``."""
+    if to == LeaseState.DESTROYED:
+        return ReclaimOutcome.DESTROY_FAILED, ReclaimOutcome.DESTROYED
+    if frm == LeaseState.DESTROYED:
+        return ReclaimOutcome.DESTROYED, ReclaimOutcome.DESTROY_FAILED
+    return None
+
+
+def _note(flipped: Iterable[str], flip: tuple[ReclaimOutcome, ReclaimOutcome] | None) -> str:
+    if flip is None:
+        return ""
+    return "; ".join(f"reclaim of run {run_id}: {flip[0]} → {flip[1]}" for run_id in flipped)
+
+
+@dataclass(frozen=True)
+class Change:
+    """One guarded state change, as the callers ask for it."""
+
+    lease_id: str
+    expected: frozenset[str]
+    to: LeaseState
+    reason: str
+    task_id: str | None
+    values: Mapping[str, Any]
+    # end_reason only if the lease has none yet (the first reason a lease ended wins)
+    first_end_reason: str | None = None
+    # an extra guard, SQL over the leases row (alias-free column names), and its params
+    guard: str = ""
+    guard_params: Mapping[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        unknown = set(self.values) - SETTABLE
+        if unknown:
+            raise ValueError(f"a transition cannot set {sorted(unknown)}")
+        if not self.expected:
+            raise ValueError("a transition needs at least one expected state")
+
+
+class RawSql:
+    """The hot statements of one dialect, their parameters and their rows."""
+
+    def __init__(self, dialect: str) -> None:
+        if dialect not in ("sqlite", "postgresql"):
+            raise ValueError(f"no plain-SQL path for dialect {dialect!r}")
+        self.dialect = dialect
+        self.pg = dialect == "postgresql"
+        if self.pg:
+            from psycopg.types.json import Json
+
+            self._json: Any = Json
+        self.sql = functools.lru_cache(maxsize=256)(self._sql)
+
+    # -- values ------------------------------------------------------------------------
+    def _sql(self, text: str) -> str:
+        return _PARAM.sub(r"%(\1)s", text) if self.pg else text
+
+    def time(self, moment: datetime | None) -> Any:
+        """A naive UTC datetime as the column stores it (SQLite: SQLAlchemy's text)."""
+        if moment is None or self.pg:
+            return moment
+        return (f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d} {moment.hour:02d}:"
+                f"{moment.minute:02d}:{moment.second:02d}.{moment.microsecond:06d}")
+
+    def json(self, value: Any) -> Any:
+        return self._json(value) if self.pg else json.dumps(value)
+
+    def param(self, column: str, value: Any) -> Any:
+        if column in _TIME_COLUMNS:
+            return self.time(value)
+        if column in _JSON_COLUMNS:
+            return self.json(value)
+        return value
+
+    def lease(self, row: tuple[Any, ...]) -> LeaseRecord:
+        """A leases row, selected as LEASE_COLUMNS, as a LeaseRecord."""
+        if self.pg:
+            return LeaseRecord(*row)
+        values = dict(zip(LEASE_COLUMNS, row, strict=True))
+        for column in _TIME_COLUMNS:
+            raw = values[column]
+            if raw is not None:
+                values[column] = datetime.fromisoformat(raw)
+        for column in _JSON_COLUMNS:
+            raw = values[column]
+            values[column] = {} if raw is None else json.loads(raw)
+        values["reuse"] = bool(values["reuse"])
+        return LeaseRecord(**values)
+
+    # -- a state change ----------------------------------------------------------------
+    def transition(self, cur: Any, change: Change, now: datetime) -> LeaseRecord | None:
+        """Apply ``change`` on ``cur`` (inside the caller's transaction, or alone in
+        autocommit on PostgreSQL); the new row, None if the lease is not in an expected
+        state (or fails the guard), NotFound if there is no such lease."""
+        params: dict[str, Any] = {
+            "lease_id": change.lease_id, "to": str(change.to), "now": self.time(now),
+            "first_end_reason": change.first_end_reason, "task_id": change.task_id,
+            **{f"v_{k}": self.param(k, v) for k, v in change.values.items()},
+            **(change.guard_params or {}),
+        }
+        if self.pg:
+            return self._transition_pg(cur, change, params)
+        return self._transition_sqlite(cur, change, params)
+
+    def _set_clause(self, change: Change) -> str:
+        live = "sandbox_key" if change.to in LIVE_STATES else "NULL"
+        sets = ["state = :to", "updated_at = :now", "version = version + 1",
+                f"live_key = {live}"]
+        sets += [f"{k} = :v_{k}" for k in sorted(change.values)]
+        if change.first_end_reason is not None and "end_reason" not in change.values:
+            sets.append("end_reason = COALESCE(end_reason, :first_end_reason)")
+        return ", ".join(sets)
+
+    def _transition_sqlite(self, cur: Any, change: Change, params: dict[str, Any]
+                           ) -> LeaseRecord | None:
+        if len(change.expected) == 1:
+            (frm,) = change.expected
+        else:
+            found = cur.execute("SELECT state FROM leases WHERE lease_id = :lease_id",
+                                params).fetchone()
+            if found is None:
+                raise NotFound(f"no lease {change.lease_id!r} in the store")
+            frm = found[0]
+            if frm not in change.expected:
+                return None
+        params["frm"] = frm
+        guard = f" AND ({change.guard})" if change.guard else ""
+        row = cur.execute(_sqlite_update(self._set_clause(change), guard), params).fetchone()
+        if row is None:
+            if cur.execute("SELECT 1 FROM leases WHERE lease_id = :lease_id",
+                           params).fetchone() is None:
+                raise NotFound(f"no lease {change.lease_id!r} in the store")
+            return None
+        lease = self.lease(row)
+        to = str(change.to)
+        if to in FINAL_STATES:
+            params["error"] = f"its lease {change.lease_id} ended: {lease.end_reason or to}"
+            cur.execute(_SQLITE_ABORT_RUNS, params)
+        flip = _flip(frm, to)
+        note = ""
+        if flip is not None:
+            params["was"], params["becomes"] = flip
+            note = _note((r[0] for r in cur.execute(_SQLITE_FLIP_RUNS, params).fetchall()),
+                         flip)
+        params["reason"] = (f"{change.reason} ({note})" if note else change.reason)[:2000]
+        cur.execute(_INSERT_EVENT, params)
+        return lease
+
+    def _transition_pg(self, cur: Any, change: Change, params: dict[str, Any]
+                       ) -> LeaseRecord | None:
+        params["reason"] = change.reason[:2000]
+        params["expected"] = sorted(change.expected)
+        guard = f" AND ({change.guard})" if change.guard else ""
+        statement = _pg_transition(self._set_clause(change), guard,
+                                   str(change.to) in FINAL_STATES,
+                                   _flips_possible(change.expected, change.to))
+        cur.execute(self.sql(statement), params)
+        row = cur.fetchone()
+        if row is None:
+            raise NotFound(f"no lease {change.lease_id!r} in the store")
+        if not row[0]:  # the lease exists, but not in an expected state (or guarded)
+            return None
+        return LeaseRecord(*row[1:])
+
+    # -- a new run and its lease intent ------------------------------------------------
+    def start_run_with_intent(self, cur: Any, run: Mapping[str, Any],
+                              lease: Mapping[str, Any], event_reason: str,
+                              task_id: str | None, now: datetime) -> bool:
+        """Insert a new run, bound to a new lease intent, and the intent's event, in the
+        caller's transaction (one statement on PostgreSQL). False, and nothing written, if
+        the run already exists; a live lease on the key raises the driver's IntegrityError
+        (the caller rolls back)."""
+        params: dict[str, Any] = {
+            **{f"r_{k}": v for k, v in run.items()},
+            **{f"l_{k}": self.param(k, v) for k, v in lease.items()},
+            "now": self.time(now), "reason": event_reason[:2000], "task_id": task_id,
+        }
+        if self.pg:
+            cur.execute(self.sql(_pg_start_with_intent(tuple(run), tuple(lease))), params)
+            return bool(cur.fetchone()[0])
+        inserted = cur.execute(_sqlite_insert_run(tuple(run)), params).fetchone()
+        if inserted is None:
+            return False
+        cur.execute(_insert_lease(tuple(lease)), params)
+        params["lease_id"], params["frm"], params["to"] = (
+            lease["lease_id"], None, LeaseState.PROVISIONING.value)
+        cur.execute(_INSERT_EVENT, params)
+        return True
+
+
+def _flips_possible(expected: frozenset[str], to: str) -> bool:
+    return to == LeaseState.DESTROYED or LeaseState.DESTROYED in expected
+
+
+_RETURNING = ", ".join(LEASE_COLUMNS)
+_INSERT_EVENT = ("INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, "
+                 "task_id) VALUES (:lease_id, :now, :frm, :to, :reason, :task_id)")
+_SQLITE_ABORT_RUNS = (
+    "UPDATE runs SET status = 'aborted', finished_at = :now, reclaim_due = 0, "
+    "reclaim_claimed_until = NULL, error = :error "
+    f"WHERE lease_id = :lease_id AND status IN ({_quoted(UNFINISHED)})")
+_SQLITE_FLIP_RUNS = ("UPDATE runs SET reclaim_outcome = :becomes, reclaimed_at = :now "
+                     "WHERE lease_id = :lease_id AND reclaim_outcome = :was RETURNING run_id")
+
+
+@functools.lru_cache(maxsize=128)
+def _sqlite_update(sets: str, guard: str) -> str:
+    return (f"UPDATE leases SET {sets} WHERE lease_id = :lease_id AND state = :frm{guard} "
+            f"RETURNING {_RETURNING}")
+
+
+@functools.lru_cache(maxsize=128)
+def _pg_transition(sets: str, guard: str, final: bool, flips: bool) -> str:
+    """One statement: lock and read the row, move it if its state is expected (and the
+    guard holds), settle its runs, append the event; one row back: (moved?, new row)."""
+    ctes = [
+        "cur AS (SELECT lease_id, state FROM leases WHERE lease_id = :lease_id FOR UPDATE)",
+        # SET's right-hand sides name only columns cur lacks: they are the lease row's.
+        f"moved AS (UPDATE leases AS l SET {sets} FROM cur "
+        f"WHERE l.lease_id = cur.lease_id AND l.state = cur.state "
+        f"AND cur.state = ANY(:expected){guard} "
+        f"RETURNING cur.state AS from_state, "
+        + ", ".join(f"l.{c}" for c in LEASE_COLUMNS) + ")",
+    ]
+    note = "''"
+    if final:
+        ctes.append(
+            "aborted AS (UPDATE runs AS r SET status = 'aborted', finished_at = :now, "
+            "reclaim_due = false, reclaim_claimed_until = NULL, error = 'its lease ' || "
+            "m.lease_id || ' ended: ' || COALESCE(m.end_reason, :to) FROM moved AS m "
+            f"WHERE r.lease_id = m.lease_id AND r.status IN ({_quoted(UNFINISHED)}) "
+            "RETURNING r.run_id)")
+    if flips:
+        # destroyed: destroy-failed -> destroyed; from destroyed: destroyed -> destroy-failed
+        was = (f"CASE WHEN :to = '{LeaseState.DESTROYED}' "
+               f"THEN '{ReclaimOutcome.DESTROY_FAILED}' "
+               f"WHEN m.from_state = '{LeaseState.DESTROYED}' "
+               f"THEN '{ReclaimOutcome.DESTROYED}' END")
+        becomes = (f"CASE WHEN :to = '{LeaseState.DESTROYED}' THEN "
+                   f"'{ReclaimOutcome.DESTROYED}' ELSE '{ReclaimOutcome.DESTROY_FAILED}' END")
+        ctes.append(
+            f"flipped AS (UPDATE runs AS r SET reclaim_outcome = {becomes}, "
+            "reclaimed_at = :now FROM moved AS m WHERE r.lease_id = m.lease_id "
+            f"AND r.reclaim_outcome = {was} RETURNING r.run_id, {was} AS was, "
+            f"{becomes} AS becomes)")
+        note = ("COALESCE((SELECT ' (' || string_agg('reclaim of run ' || f.run_id || ': ' "
+                "|| f.was || ' → ' || f.becomes, '; ' ORDER BY f.run_id) || ')' "
+                "FROM flipped AS f), '')")
+    ctes.append(
+        "ev AS (INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, "
+        f"task_id) SELECT m.lease_id, :now, m.from_state, :to, left(:reason || {note}, 2000), "
+        ":task_id FROM moved AS m)")
+    # One row while the lease exists: its moved columns, or NULLs if it did not move.
+    return ("WITH " + ", ".join(ctes) + " SELECT m.lease_id IS NOT NULL, "
+            + ", ".join(f"m.{c}" for c in LEASE_COLUMNS)
+            + " FROM cur LEFT JOIN moved AS m ON true")
+
+
+@functools.lru_cache(maxsize=16)
+def _sqlite_insert_run(columns: tuple[str, ...]) -> str:
+    return (f"INSERT INTO runs ({', '.join(columns)}) VALUES "
+            f"({', '.join(f':r_{c}' for c in columns)}) "
+            "ON CONFLICT (run_id) DO NOTHING RETURNING run_id")
+
+
+@functools.lru_cache(maxsize=16)
+def _insert_lease(columns: tuple[str, ...]) -> str:
+    return (f"INSERT INTO leases ({', '.join(columns)}) VALUES "
+            f"({', '.join(f':l_{c}' for c in columns)})")
+
+
+@functools.lru_cache(maxsize=16)
+def _pg_start_with_intent(run_columns: tuple[str, ...], lease_columns: tuple[str, ...]) -> str:
+    return (
+        f"WITH run AS (INSERT INTO runs ({', '.join(run_columns)}) VALUES "
+        f"({', '.join(f':r_{c}' for c in run_columns)}) "
+        "ON CONFLICT (run_id) DO NOTHING RETURNING run_id), "
+        f"lease AS (INSERT INTO leases ({', '.join(lease_columns)}) SELECT "
+        f"{', '.join(f':l_{c}' for c in lease_columns)} FROM run RETURNING lease_id), "
+        "ev AS (INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, "
+        f"task_id) SELECT lease_id, :now, NULL, '{LeaseState.PROVISIONING}', :reason, "
+        ":task_id FROM lease) SELECT count(*) FROM run")

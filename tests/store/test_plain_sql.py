@@ -1,0 +1,159 @@
+"""The store's plain-SQL hot path (models/rawsql.py) keeps every promise of a guarded
+transition, on SQLite and PostgreSQL alike: the event names the state really left, a
+lease end settles its runs in the same change, the first end reason wins, and a new run
+with its intent is all or nothing."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import fields
+from datetime import timedelta
+
+import psycopg
+import pytest
+from sqlalchemy import update
+
+from models.migrate import upgrade
+from models.schema import Lease, LeaseRecord, LeaseState, ReclaimOutcome, Run, RunStatus, utcnow
+from models.store import LiveLeaseExists, NewLease, Store
+from providers.errors import NotFound, StoreUnavailable
+from tests.services import PostgresServer
+
+
+@pytest.fixture
+def store(store_url: str) -> Store:
+    s = Store(store_url)
+    yield s
+    s.dispose()
+
+
+def new_lease(lease_id: str, key: str, run_id: str) -> NewLease:
+    return NewLease(
+        lease_id=lease_id, sandbox_key=key, provider="local",
+        provider_lease_id=f"lk-{lease_id}", reuse=False, tenant="acme", thread_id="t-1",
+        run_id=run_id, spec={"tenant": "acme", "labels": {"team": "a"}},
+        acquire_deadline_at=utcnow(), deadline_at=utcnow() + timedelta(hours=1),
+        idle_timeout_s=60)
+
+
+def test_a_lease_record_has_every_lease_column_in_order() -> None:
+    assert [f.name for f in fields(LeaseRecord)] == [c.name for c in Lease.__table__.c]
+
+
+def test_a_new_run_and_its_intent_are_written_together(store: Store) -> None:
+    # when a new run gets its intent
+    made = store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), "task-1")
+    # then both exist, bound, with the intent's event
+    assert made is not None and made.state == LeaseState.PROVISIONING
+    lease, run = store.get_lease("l1"), store.get_run("run-1")
+    assert run is not None and run.lease_id == "l1" and run.status == RunStatus.RUNNING
+    assert lease.spec == {"tenant": "acme", "labels": {"team": "a"}} and lease.live_key == "k1"
+    assert lease.provider_meta == {} and lease.reuse is False and lease.version == 1
+    assert [(e.from_state, e.to_state, e.task_id) for e in store.events("l1")] == [
+        (None, LeaseState.PROVISIONING, "task-1")]
+    # the record it returned is what the store holds
+    assert made == LeaseRecord(**{c.name: getattr(lease, c.name) for c in Lease.__table__.c})
+
+
+def test_an_existing_run_writes_nothing_and_a_taken_key_writes_nothing(store: Store) -> None:
+    store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), None)
+    # an existing run: nothing written, the caller takes the general path
+    assert store.start_run_with_intent("run-1", new_lease("l2", "k2", "run-1"), None) is None
+    with pytest.raises(NotFound):
+        store.get_lease("l2")
+    # a key with a live lease: refused, and not even the new run is left behind
+    with pytest.raises(LiveLeaseExists, match="'k1' already has a live lease"):
+        store.start_run_with_intent("run-2", new_lease("l3", "k1", "run-2"), None)
+    assert store.get_run("run-2") is None
+    with pytest.raises(NotFound):
+        store.get_lease("l3")
+
+
+def test_the_event_names_the_state_really_left(store: Store) -> None:
+    store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), None)
+    store.transition("l1", {LeaseState.PROVISIONING}, LeaseState.ACTIVE, "ready")
+    # when the lease may be in one of several states
+    moved = store.transition("l1", {LeaseState.PROVISIONING, LeaseState.ACTIVE,
+                                    LeaseState.PENDING_CLEANUP},
+                             LeaseState.DESTROYING, "destroy", first_end_reason="requested")
+    # then the event says it left active, and the end reason is set
+    assert moved is not None and moved.state == LeaseState.DESTROYING
+    assert moved.end_reason == "requested" and moved.live_key is None and moved.version == 3
+    assert store.events("l1")[-1].from_state == LeaseState.ACTIVE
+
+
+def test_the_first_end_reason_wins(store: Store) -> None:
+    store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), None)
+    store.transition("l1", {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP,
+                     "acquire failed", end_reason="acquire_failed")
+    moved = store.transition("l1", {LeaseState.PENDING_CLEANUP}, LeaseState.DESTROYING,
+                             "retry", first_end_reason="requested")
+    assert moved is not None and moved.end_reason == "acquire_failed"
+
+
+def test_a_state_that_moved_on_or_a_missing_lease_writes_nothing(store: Store) -> None:
+    store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), None)
+    before = len(store.events("l1"))
+    assert store.transition("l1", {LeaseState.ACTIVE}, LeaseState.DESTROYING, "x") is None
+    assert store.transition("l1", {LeaseState.ACTIVE, LeaseState.DESTROYING},
+                            LeaseState.DESTROYED, "x") is None
+    assert len(store.events("l1")) == before
+    assert store.get_lease("l1").version == 1
+    with pytest.raises(NotFound, match="no lease 'nope'"):
+        store.transition("nope", {LeaseState.ACTIVE}, LeaseState.DESTROYING, "x")
+    with pytest.raises(NotFound, match="no lease 'nope'"):
+        store.transition("nope", {LeaseState.ACTIVE, LeaseState.PROVISIONING},
+                         LeaseState.DESTROYING, "x")
+
+
+def test_a_lease_end_settles_its_runs_in_the_same_change(store: Store) -> None:
+    store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), None)
+    store.transition("l1", {LeaseState.PROVISIONING}, LeaseState.ACTIVE, "ready")
+    # a finished run on the lease whose reclaim failed, and a running one
+    store.start_run("run-2", "t-1", "local", "k1")
+    store.bind_run("run-2", "l1", "k1")
+    with store.tx() as s:
+        s.execute(update(Run).where(Run.run_id == "run-1").values(
+            status=RunStatus.COMPLETED, reclaim_outcome=ReclaimOutcome.DESTROY_FAILED))
+    store.transition("l1", {LeaseState.ACTIVE}, LeaseState.DESTROYING, "destroy",
+                     first_end_reason="requested")
+    # when the destroy takes
+    store.transition("l1", {LeaseState.DESTROYING}, LeaseState.DESTROYED, "destroyed")
+    # then the running run is aborted with the lease's end reason, the failed reclaim is
+    # destroyed now, and the event says so
+    run1, run2 = store.get_run("run-1"), store.get_run("run-2")
+    assert run1 is not None and run1.reclaim_outcome == ReclaimOutcome.DESTROYED
+    assert run1.status == RunStatus.COMPLETED
+    assert run2 is not None and run2.status == RunStatus.ABORTED
+    assert run2.error == "its lease l1 ended: requested" and run2.finished_at is not None
+    assert store.events("l1")[-1].reason == (
+        "destroyed (reclaim of run run-1: destroy-failed → destroyed)")
+    # and a destroyed lease found again flips it back until a destroy really takes
+    store.transition("l1", {LeaseState.DESTROYED}, LeaseState.PENDING_CLEANUP, "still there")
+    run1 = store.get_run("run-1")
+    assert run1 is not None and run1.reclaim_outcome == ReclaimOutcome.DESTROY_FAILED
+    assert "reclaim of run run-1: destroyed → destroy-failed" in store.events("l1")[-1].reason
+
+
+@pytest.mark.postgres
+def test_a_dropped_connection_fails_one_call_then_reconnects(
+        postgres_server: PostgresServer) -> None:
+    postgres_store_url = postgres_server.create_database(f"lk_{uuid.uuid4().hex[:12]}")
+    upgrade(postgres_store_url)
+    store = Store(postgres_store_url)
+    try:
+        store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), None)
+        # when the server ends the hot path's connection (as a restart would)
+        plain = postgres_store_url.replace("+psycopg", "")
+        with psycopg.connect(plain, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                          "WHERE datname = current_database() AND pid <> pg_backend_pid()")
+        # then that call fails as unavailable, saying the task will retry, and writes nothing
+        with pytest.raises(StoreUnavailable, match=r"unavailable.*will retry"):
+            store.transition("l1", {LeaseState.PROVISIONING}, LeaseState.ACTIVE, "ready")
+        assert store.get_lease("l1").state == LeaseState.PROVISIONING
+        # and the next one works on a new connection
+        assert store.transition("l1", {LeaseState.PROVISIONING}, LeaseState.ACTIVE,
+                                "ready") is not None
+    finally:
+        store.dispose()
