@@ -114,6 +114,7 @@ class NewLease:
     acquire_deadline_at: datetime
     deadline_at: datetime
     idle_timeout_s: int
+    pool: str | None = None  # the warm pool its run asked for (it was empty: a cold start)
 
 
 def make_engine(url: str) -> Engine:
@@ -330,6 +331,7 @@ class Store:
                     thread_id=new.thread_id, run_id=new.run_id, spec=new.spec,
                     created_at=now, updated_at=now, acquire_deadline_at=new.acquire_deadline_at,
                     deadline_at=new.deadline_at, idle_timeout_s=new.idle_timeout_s,
+                    pool=new.pool,
                 ).returning(*_LEASES.c)).one()
                 s.execute(insert(_EVENTS).values(
                     lease_id=new.lease_id, at=now, from_state=None,
