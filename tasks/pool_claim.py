@@ -11,7 +11,7 @@ runs them in order, after the run row and a reuse attempt):
    redelivered acquire delivers again);
 3. ``activate``: provisioning → active with the idle deadline starting now; or, for a
    member that was not resumable, ``discard``: pending_cleanup, the run unbound from it
-   (one transaction) and ``lease.destroy`` sent, and the next member is tried.
+   (one transaction), destroyed, and the next member is tried.
 
 A worker killed between 1 and 3 leaves a provisioning lease bound to the run, which the
 acquire's redelivery finishes, or ``sweep.stuck_provisioning`` cleans up (a claimed member
@@ -21,9 +21,10 @@ is never adopted half-delivered).
 from __future__ import annotations
 
 from models.pool_store import ClaimIntent, PoolStore
-from models.schema import Lease, LeaseState
+from models.schema import Lease, LeaseState, utcnow
 from providers.base import Claimed, ClaimRequest, Provider
 from providers.spec import SandboxSpec
+from tasks.destroy import destroy_lease
 from tasks.leases import handle, later
 from workers.runtime import Runtime
 
@@ -65,14 +66,12 @@ def activate(rt: Runtime, member: Lease, claimed: Claimed, run_id: str, task_id:
 
 def discard(rt: Runtime, member: Lease, run_id: str, why: str, task_id: str | None) -> bool:
     """A claimed member that was not resumable: pending_cleanup and no longer the run's, in
-    one transaction, then ``lease.destroy`` sent (a lost send is retried by
-    sweep.retry_cleanup once the claim timeout passes). True if this call did it."""
-    from tasks.destroy import destroy
-
+    one transaction, then destroyed here, as a reuse's dead sandbox is (what is left of a
+    dead member is quick to remove; a failed destroy waits for sweep.retry_cleanup, and
+    the run goes on to the next member). True if this call let it go."""
     released = PoolStore(rt.store).release(
         member.lease_id, run_id, f"not resumable at its claim by run {run_id}: {why}",
-        later(rt.settings.claim_timeout_s), task_id)
+        utcnow(), task_id)
     if released:
-        destroy.apply_async(kwargs={"lease_id": member.lease_id,
-                                    "reason": "pool member not resumable at claim"})
+        destroy_lease(rt, member.lease_id, "pool member not resumable at claim", task_id)
     return released

@@ -36,18 +36,28 @@ def pool(name: str = "py", size: int = 2, **extra: Any) -> dict[str, Any]:
 
 @dataclass
 class PoolRecorder(Recorder):
-    """The sweeps' effects, with pool.provision too (recorded; done inline if asked)."""
+    """The sweeps' effects, with pool.provision too (recorded; done inline if asked, as
+    the task would: with ``may_retry`` a transient error leaves the member provisioning
+    for a retry that never comes here). What a provision raised is kept in ``failed``, as
+    Flower would show the task's failure."""
 
     provisions: list[str] = field(default_factory=list)
     inline_provision: bool = False
+    may_retry: bool = False
+    failed: list[Exception] = field(default_factory=list)
 
     def provision(self, lease_id: str) -> None:
+        from providers.errors import ProviderError
+        from tasks.pool_fill import provision_member
+
         with self.lock:
             self.provisions.append(lease_id)
         if self.inline_provision:
-            from tasks.pool_fill import provision_member
-
-            provision_member(self.rt, lease_id, None, may_retry=False)
+            try:
+                provision_member(self.rt, lease_id, None, may_retry=self.may_retry)
+            except ProviderError as exc:
+                with self.lock:
+                    self.failed.append(exc)
 
 
 def make_runtime(store_url: str, tmp_path: Path, **overrides: Any) -> Runtime:
