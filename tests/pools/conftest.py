@@ -96,6 +96,24 @@ def runtime_with(store_url: str, tmp_path: Path) -> Iterator[Callable[..., Runti
 
 
 @pytest.fixture
+def postgres_runtime(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Runtime]:
+    """A runtime over a fresh PostgreSQL store only (for what only PostgreSQL has: row
+    locks), with the default pool."""
+    import uuid
+
+    from models.migrate import upgrade
+
+    server = request.getfixturevalue("postgres_server")
+    url = server.create_database(f"lk_{uuid.uuid4().hex[:12]}")
+    upgrade(url)
+    runtime = make_runtime(url, tmp_path, pools=[pool(size=2, template={
+        "command": WAITING_MEMBER})])
+    yield runtime
+    destroy_everything(runtime)
+    runtime.store.dispose()
+
+
+@pytest.fixture
 def rt(runtime_with: Callable[..., Runtime]) -> Runtime:
     return runtime_with()
 
