@@ -215,14 +215,13 @@ def _deliver_claim(
             pool_claim.discard(rt, member, run_id, claimed.reason, task_id)
             return None
         case ClaimOutcome.CLAIMED:
-            active = pool_claim.activate(rt, member, claimed, run_id, task_id)
-            if active is None:
+            if not pool_claim.activate(rt, member, claimed, run_id, task_id):
                 current = rt.store.get_lease(member.lease_id)
                 raise InvalidRequest(f"lease {member.lease_id} was ended ({current.state}) "
                                      "while it was being claimed")
             log.info("lease %s claimed from pool %s for run %s", member.lease_id,
                      member.pool, run_id)
-            return _acquisition(AcquireResult.CLAIMED, run_id, active)
+            return _acquisition(AcquireResult.CLAIMED, run_id, member)
 
 
 def _provision(

@@ -21,7 +21,7 @@ is never adopted half-delivered).
 from __future__ import annotations
 
 from models.pool_store import ClaimIntent, PoolStore
-from models.schema import Lease, LeaseState, utcnow
+from models.schema import Lease, utcnow
 from providers.base import Claimed, ClaimRequest, Provider
 from providers.spec import SandboxSpec
 from tasks.destroy import destroy_lease
@@ -55,13 +55,12 @@ def deliver(rt: Runtime, provider: Provider, member: Lease, run_id: str, spec: S
 
 
 def activate(rt: Runtime, member: Lease, claimed: Claimed, run_id: str, task_id: str | None
-             ) -> Lease | None:
-    """provisioning → active for the run; None if something else took the lease meanwhile."""
-    return rt.store.transition(
-        member.lease_id, {LeaseState.PROVISIONING}, LeaseState.ACTIVE,
-        f"{CLAIMED_REASON} {member.pool} by run {run_id}: its data delivered", task_id,
-        provider_meta={**(member.provider_meta or {}), **claimed.meta},
-        idle_deadline_at=later(member.idle_timeout_s))
+             ) -> bool:
+    """provisioning → active for the run; False if something else took the lease meanwhile."""
+    return PoolStore(rt.store).activate(
+        member.lease_id, run_id, {**(member.provider_meta or {}), **claimed.meta},
+        later(member.idle_timeout_s),
+        f"{CLAIMED_REASON} {member.pool} by run {run_id}: its data delivered", task_id)
 
 
 def discard(rt: Runtime, member: Lease, run_id: str, why: str, task_id: str | None) -> bool:
