@@ -15,7 +15,7 @@ with its event (models/sweep_store.py ``move``), as everywhere in the store:
   ``UPDATE leases SET ... WHERE lease_id = (SELECT ... WHERE pool = :p AND state = 'warm'
   ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED) AND state = 'warm' RETURNING ...``
   (no row locks on SQLite), and binds the run, in one transaction: two claims never get
-  the same member, and a claim never waits for another.
+  the same member, and a claim never waits for another (models/pool_claim_sql.py).
 - :meth:`PoolStore.member_ready` / :meth:`member_failed` end a member's provisioning and
   close or count the breaker in the same transaction.
 - :meth:`PoolStore.due_drains` / :meth:`claim_drains`: warm members past ``max_age_s``,
@@ -24,29 +24,19 @@ with its event (models/sweep_store.py ``move``), as everywhere in the store:
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any, cast
 
-from sqlalchemy import (
-    JSON,
-    ColumnElement,
-    DateTime,
-    Table,
-    bindparam,
-    func,
-    insert,
-    select,
-    update,
-)
+from sqlalchemy import ColumnElement, Table, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from models import pool_claim_sql as claim_sql
 from models.schema import Lease, LeaseEvent, LeaseState, Pool, Run, utcnow
 from models.store import LiveLeaseExists, Store
 from models.sweep_store import move
@@ -323,50 +313,34 @@ class PoolStore:
     # -- lease.acquire with spec.pool ----------------------------------------------------
     def claim(self, intent: ClaimIntent, task_id: str | None) -> Lease | None:
         """The oldest warm member of the pool, now the run's (provisioning until its claim
-        is delivered), bound to the run; None when the pool has no warm member. Raises
-        LiveLeaseExists when the run's sandbox key already has a live lease."""
-        now = utcnow()
+        is delivered), bound to the run, with its event: one transaction, one statement on
+        PostgreSQL (models/pool_claim_sql.py). None when the pool has no warm member.
+        Raises LiveLeaseExists when the run's sandbox key already has a live lease."""
+        params = {"b_pool": intent.pool, "b_run_id": intent.run_id,
+                  "b_tenant": intent.tenant, "b_thread_id": intent.thread_id,
+                  "b_key": intent.sandbox_key, "b_reuse": intent.reuse, "b_spec": intent.spec,
+                  "b_now": utcnow(), "b_acquire_deadline_at": intent.acquire_deadline_at,
+                  "b_deadline_at": intent.deadline_at,
+                  "b_idle_timeout_s": intent.idle_timeout_s, "b_task_id": task_id,
+                  "b_reason": f"claimed from pool {intent.pool} by run {intent.run_id}"}
         try:
             with self.store.tx() as session:
-                s = session.connection()  # Core: these statements need no ORM
-                row = s.execute(_claim_statement(self._postgres), {
-                    "b_pool": intent.pool, "b_run_id": intent.run_id,
-                    "b_tenant": intent.tenant, "b_thread_id": intent.thread_id,
-                    "b_key": intent.sandbox_key, "b_reuse": intent.reuse,
-                    "b_spec": intent.spec, "b_now": now,
-                    "b_acquire_deadline_at": intent.acquire_deadline_at,
-                    "b_deadline_at": intent.deadline_at,
-                    "b_idle_timeout_s": intent.idle_timeout_s}).one_or_none()
-                if row is None:
-                    return None
-                s.execute(_EVENT, {"lease_id": row.lease_id, "at": now,
-                                   "from_state": LeaseState.WARM,
-                                   "to_state": LeaseState.PROVISIONING, "task_id": task_id,
-                                   "reason": f"claimed from pool {intent.pool} by run "
-                                             f"{intent.run_id}"})
-                s.execute(_BIND_RUN, {"b_run_id": intent.run_id, "b_lease_id": row.lease_id,
-                                      "b_key": intent.sandbox_key})
+                row = claim_sql.take(session.connection(), self._postgres, params)
         except IntegrityError:
             raise LiveLeaseExists(
                 f"sandbox key {intent.sandbox_key!r} already has a live lease") from None
-        return Lease(**row._mapping)
+        return None if row is None else Lease(**row._mapping)
 
     def activate(self, lease_id: str, run_id: str, meta: dict[str, Any],
                  idle_deadline_at: datetime, reason: str, task_id: str | None) -> bool:
         """A claimed member whose run's data was delivered: provisioning → active for that
-        run (guarded on both), its idle deadline starting now. False if another worker or
-        sweep moved it first."""
-        now = utcnow()
+        run (guarded on both), its idle deadline starting now, with its event (one
+        statement on PostgreSQL). False if another worker or sweep moved it first."""
         with self.store.tx() as session:
-            s = session.connection()
-            won = s.execute(_ACTIVATE, {"b_lease_id": lease_id, "b_run_id": run_id,
-                                        "b_meta": meta, "b_idle": idle_deadline_at,
-                                        "b_now": now}).first() is not None
-            if won:
-                s.execute(_EVENT, {"lease_id": lease_id, "at": now, "task_id": task_id,
-                                   "from_state": LeaseState.PROVISIONING,
-                                   "to_state": LeaseState.ACTIVE, "reason": reason[:2000]})
-        return won
+            return claim_sql.activate(session.connection(), self._postgres, {
+                "b_lease_id": lease_id, "b_run_id": run_id, "b_meta": meta,
+                "b_idle": idle_deadline_at, "b_now": utcnow(), "b_task_id": task_id,
+                "b_reason": reason[:2000]})
 
     def release(self, lease_id: str, run_id: str, reason: str, next_cleanup_at: datetime,
                 task_id: str | None) -> bool:
@@ -456,44 +430,6 @@ class PoolStore:
                 "its command exited while it was warm", task_id, L.c.run_id.is_(None),
                 end_reason="pool_member_exited",
                 next_cleanup_at=now + timedelta(seconds=claim_s))]
-
-
-# The claim path's statements, built once (building one costs more than running it on
-# SQLite); each execution only binds its values.
-_EVENT = insert(E)
-_BIND_RUN = (update(R).where(R.c.run_id == bindparam("b_run_id"))
-             .values(lease_id=bindparam("b_lease_id"), sandbox_key=bindparam("b_key")))
-_ACTIVATE = (update(L).where(L.c.lease_id == bindparam("b_lease_id"),
-                             L.c.run_id == bindparam("b_run_id"),
-                             L.c.state == LeaseState.PROVISIONING,
-                             L.c.claimed_at.is_not(None))
-             .values(state=LeaseState.ACTIVE, provider_meta=bindparam("b_meta", type_=JSON),
-                     idle_deadline_at=bindparam("b_idle", type_=DateTime()),
-                     updated_at=bindparam("b_now", type_=DateTime()), version=L.c.version + 1)
-             .returning(L.c.lease_id))
-
-
-@functools.cache
-def _claim_statement(postgres: bool) -> Any:
-    """UPDATE leases SET <the run's> WHERE lease_id = (the pool's oldest warm member, FOR
-    UPDATE SKIP LOCKED on PostgreSQL) AND state = 'warm' RETURNING <the row>."""
-    pick = (select(L.c.lease_id).where(L.c.pool == bindparam("b_pool"),
-                                       L.c.state == LeaseState.WARM)
-            .order_by(L.c.created_at, L.c.lease_id).limit(1))
-    if postgres:
-        pick = pick.with_for_update(skip_locked=True)
-    now = bindparam("b_now", type_=DateTime())
-    return (update(L).where(L.c.lease_id == pick.scalar_subquery(),
-                            L.c.state == LeaseState.WARM)
-            .values(state=LeaseState.PROVISIONING, run_id=bindparam("b_run_id"),
-                    tenant=bindparam("b_tenant"), thread_id=bindparam("b_thread_id"),
-                    sandbox_key=bindparam("b_key"), live_key=bindparam("b_key"),
-                    reuse=bindparam("b_reuse"), spec=bindparam("b_spec", type_=JSON),
-                    claimed_at=now, updated_at=now,
-                    acquire_deadline_at=bindparam("b_acquire_deadline_at", type_=DateTime()),
-                    deadline_at=bindparam("b_deadline_at", type_=DateTime()),
-                    idle_timeout_s=bindparam("b_idle_timeout_s"), version=L.c.version + 1)
-            .returning(*L.c))
 
 
 _DRAIN_REASONS = {
