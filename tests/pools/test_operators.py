@@ -104,3 +104,32 @@ def test_the_cli_shows_each_pool_its_members_and_its_breaker(
 
     checked = leasekeeper("check", env=env)
     assert checked.returncode == 0 and "no violations" in checked.stdout
+
+
+def test_the_console_shows_warm_members_and_their_pool(busy: Runtime) -> None:
+    import asyncio
+    import base64
+
+    import httpx
+
+    from models.schema import LeaseState
+    from workers.console.app import build_app
+
+    rt = busy
+    member = next(lease for lease in rt.store.leases([LeaseState.WARM]) if lease.pool == "py")
+    app = build_app(rt.settings, rt.store, "ops", "pw")
+    auth = {"Authorization": "Basic " + base64.b64encode(b"ops:pw").decode()}
+
+    async def pages() -> tuple[str, str]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://console") as c:
+            listing = await c.get("/leases?state=warm", headers=auth)
+            shown = await c.get(f"/leases/{member.lease_id}", headers=auth)
+            assert listing.status_code == shown.status_code == 200
+            return listing.text, shown.text
+
+    listing, shown = asyncio.run(pages())
+    assert 'id="count-warm">2<' in listing and member.lease_id in listing
+    assert "<td>py</td>" in listing
+    assert 'id="pool">py (a member, not claimed)' in shown
+    assert "waiting for a claim" in shown and 'id="action-destroy"' in shown
