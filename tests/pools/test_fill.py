@@ -17,6 +17,7 @@ from models.pool_store import BreakerState, PoolStore
 from models.schema import LeaseState, utcnow
 from providers.faulty import FaultPlan
 from providers.spec import SandboxSpec
+from tasks.pool_fill import FillOutcome
 from tests.pools.conftest import (
     PoolRecorder,
     concurrently,
@@ -420,3 +421,28 @@ def test_check_accepts_members_and_flags_a_pool_over_max_size(
     found = check(rt.store, utcnow(), 5, {"py": 2})
     assert [v.rule for v in found] == [Rule.POOL_OVER_MAX_SIZE]
     assert "pool py has 3 members, over its max_size 2" in found[0].detail
+
+
+def test_a_dry_run_says_what_a_tick_would_do_and_changes_nothing(
+        rt: Runtime, effects: PoolRecorder) -> None:
+    from sqlalchemy import select
+
+    from models.schema import Lease, LeaseEvent, Pool
+    from tasks.pool_fill import fill_pools
+    from tasks.sweeping import SweepContext
+
+    def snapshot() -> list[Any]:
+        with rt.store.tx() as s:
+            return [list(s.execute(select(*t.__table__.c)).all())  # type: ignore[attr-defined]
+                    for t in (Lease, LeaseEvent, Pool)]
+
+    before = snapshot()
+    dry = fill_pools(SweepContext(rt, effects, dry_run=True))
+    assert dry[FillOutcome.CREATED] == 2 and "created (new) in py (py)" in dry.items
+    assert snapshot() == before and effects.provisions == [] and sandboxes(rt) == set()
+    fill(rt, effects)
+    set_lease(rt, warm(rt)[0].lease_id, deadline_at=utcnow() - timedelta(seconds=1))
+    before = snapshot()
+    dry = fill_pools(SweepContext(rt, effects, dry_run=True))
+    assert dry[FillOutcome.EXPIRED] == 1 and dry[FillOutcome.FULL] == 1
+    assert snapshot() == before and effects.destroys == []
