@@ -42,6 +42,7 @@ bench: $(STAMP) system-deps kube-binaries
 	$(PY) bench/kube_ops.py
 	$(PY) bench/redelivery.py
 	$(PY) bench/observe_queries.py
+	$(PY) bench/pools.py
 
 clean:
 	rm -rf $(VENV) .var

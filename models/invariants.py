@@ -4,8 +4,11 @@ Each rule is a read-only query; a row it returns is a record that does not tell 
 
 - ``run-on-ended-lease``: a run says running or interrupted, yet its own lease is
   destroyed or abandoned (its sandbox is gone, or given up on);
-- ``live-lease-without-run``: a lease is provisioning or active, yet its run row is gone
-  (or it never had one);
+- ``live-lease-without-run``: a lease is provisioning, warm or active, yet its run row is
+  gone (or it never had one), unless it is an unclaimed warm pool member (``pool`` set, no
+  run: it is its pool's until a run claims it);
+- ``pool-over-max-size``: a pool has more unclaimed members that exist (provisioning,
+  warm, or being drained) than its ``max_size`` (only for the pools given);
 - ``unreclaimed-ephemeral-lease``: a run finished more than the claim timeout ago, yet its
   own (not reused) lease is still provisioning or active: nobody is reclaiming it;
 - ``reclaim-outcome-mismatch``: the run's reclaim outcome contradicts its lease's state
@@ -18,13 +21,15 @@ a lease left behind.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any
 
-from sqlalchemy import and_, or_, select
+from sqlalchemy import and_, func, not_, or_, select
 
+from models.pool_store import MEMBER_STATES
 from models.schema import (
     FINAL_STATES,
     LIVE_STATES,
@@ -43,6 +48,7 @@ UNFINISHED = [RunStatus.RUNNING, RunStatus.INTERRUPTED]
 class Rule(StrEnum):
     RUN_ON_ENDED_LEASE = "run-on-ended-lease"
     LIVE_LEASE_WITHOUT_RUN = "live-lease-without-run"
+    POOL_OVER_MAX_SIZE = "pool-over-max-size"
     UNRECLAIMED_EPHEMERAL_LEASE = "unreclaimed-ephemeral-lease"
     RECLAIM_OUTCOME_MISMATCH = "reclaim-outcome-mismatch"
 
@@ -61,8 +67,10 @@ class Violation:
         return f"{self.rule}: lease {self.lease_id or '-'} run {self.run_id or '-'}: {self.detail}"
 
 
-def check(store: Store, now: datetime, claim_timeout_s: float) -> list[Violation]:
-    """Every violation in the store now, rule by rule, oldest first (one transaction)."""
+def check(store: Store, now: datetime, claim_timeout_s: float,
+          pool_max_sizes: Mapping[str, int] | None = None) -> list[Violation]:
+    """Every violation in the store now, rule by rule, oldest first (one transaction).
+    ``pool_max_sizes``: the declared pools' max_size by name."""
     found: list[Violation] = []
     both = Run.__table__.join(Lease.__table__, Lease.lease_id == Run.lease_id)
     with store.tx() as s:
@@ -78,11 +86,21 @@ def check(store: Store, now: datetime, claim_timeout_s: float) -> list[Violation
                 select(Lease.lease_id, Lease.state, Lease.run_id)
                 .select_from(Lease.__table__.outerjoin(Run.__table__,
                                                        Run.run_id == Lease.run_id))
-                .where(Lease.state.in_(list(LIVE_STATES)), Run.run_id.is_(None))
+                .where(Lease.state.in_(list(LIVE_STATES)), Run.run_id.is_(None),
+                       not_(and_(Lease.pool.is_not(None), Lease.run_id.is_(None))))
                 .order_by(Lease.created_at)):
             found.append(Violation(Rule.LIVE_LEASE_WITHOUT_RUN, live_id, bound_run,
                                    f"lease is {live_state} but its run "
                                    f"{'row is gone' if bound_run else 'was never recorded'}"))
+
+        for pool, max_size in sorted((pool_max_sizes or {}).items()):
+            members = int(s.scalar(select(func.count()).where(
+                Lease.pool == pool, Lease.run_id.is_(None),
+                Lease.state.in_(MEMBER_STATES))) or 0)
+            if members > max_size:
+                found.append(Violation(Rule.POOL_OVER_MAX_SIZE, None, None,
+                                       f"pool {pool} has {members} members, over its "
+                                       f"max_size {max_size}"))
 
         cutoff = now - timedelta(seconds=claim_timeout_s)
         for run_id, status, finished_at, lease_id, state in s.execute(

@@ -60,6 +60,8 @@ class TailedEvent:
     backend: str | None
     created_at: datetime  # the lease's intent time
     reason: str
+    pool: str | None = None  # the lease's warm pool (a member, or what its run asked for)
+    claimed_at: datetime | None = None  # set: a member a run claimed
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,8 @@ class Observe:
         with self.store.tx() as s:
             rows = s.execute(
                 select(_E.c.id, _E.c.lease_id, _E.c.at, _E.c.from_state, _E.c.to_state,
-                       _L.c.provider, _L.c.backend, _L.c.created_at, _E.c.reason)
+                       _L.c.provider, _L.c.backend, _L.c.created_at, _E.c.reason,
+                       _L.c.pool, _L.c.claimed_at)
                 .select_from(_E.join(_L, _L.c.lease_id == _E.c.lease_id))
                 .where(_E.c.id >= first_id).order_by(_E.c.id).limit(limit))
             return [TailedEvent(*row) for row in rows]

@@ -43,7 +43,8 @@ from providers.errors import NotFound
 
 LEASE_COLUMNS = tuple(f.name for f in fields(LeaseRecord))
 _TIME_COLUMNS = frozenset({"created_at", "updated_at", "ready_at", "acquire_deadline_at",
-                           "deadline_at", "idle_deadline_at", "next_cleanup_at"})
+                           "deadline_at", "idle_deadline_at", "next_cleanup_at",
+                           "claimed_at"})
 _JSON_COLUMNS = frozenset({"provider_meta", "spec"})
 # Columns a transition may set besides the ones it always sets.
 SETTABLE = frozenset(LEASE_COLUMNS) - {"lease_id", "state", "updated_at", "version",

@@ -25,6 +25,7 @@ class LeaseFilter:
     provider: str | None = None
     tenant: str | None = None
     created_before: datetime | None = None  # --older-than
+    pool: str | None = None
 
     def apply(self, query: Select[Any]) -> Select[Any]:
         if self.states:
@@ -35,6 +36,8 @@ class LeaseFilter:
             query = query.where(Lease.tenant == self.tenant)
         if self.created_before is not None:
             query = query.where(Lease.created_at < self.created_before)
+        if self.pool:
+            query = query.where(Lease.pool == self.pool)
         return query
 
 

@@ -1,9 +1,16 @@
 """Tables of the lease store: leases, runs and the append-only lease event log.
 
 Times are naive UTC. A lease's ``state`` only moves through guarded transitions in
-store.py; ``live_key`` is the sandbox key while the lease is live (provisioning or
+store.py; ``live_key`` is the sandbox key while the lease is live (provisioning, warm or
 active) and NULL otherwise, so a plain unique index keeps live leases unique per key on
 SQLite and PostgreSQL alike.
+
+Warm pools (workers/pool_settings.py, models/pool_store.py): a pool *member* is a lease
+with ``pool`` set, created by ``sweep.fill_pools`` with no run (``run_id`` NULL), that
+waits ``warm`` until a run claims it (``claimed_at`` set, bound to the run) or it is
+drained. A lease a run asked a pool for but got cold (the pool was empty) has ``pool``
+set too, and ``claimed_at`` NULL. The ``pools`` table holds each pool's circuit breaker
+and is the row fillers lock while they count members, so ``max_size`` always holds.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ def utcnow() -> datetime:
 
 class LeaseState(StrEnum):
     PROVISIONING = "provisioning"  # intent recorded, provider create may be under way
+    WARM = "warm"  # a ready pool member no run has claimed yet
     ACTIVE = "active"  # ready and resumable
     DESTROYING = "destroying"  # a worker claimed the destroy
     PENDING_CLEANUP = "pending_cleanup"  # must be destroyed (again); not resumable
@@ -48,7 +56,7 @@ class LeaseState(StrEnum):
     ABANDONED = "abandoned"  # final: cleanup gave up after the cap; an operator decides
 
 
-LIVE_STATES = frozenset({LeaseState.PROVISIONING, LeaseState.ACTIVE})
+LIVE_STATES = frozenset({LeaseState.PROVISIONING, LeaseState.WARM, LeaseState.ACTIVE})
 FINAL_STATES = frozenset({LeaseState.DESTROYED, LeaseState.ABANDONED})
 
 
@@ -116,6 +124,9 @@ class Lease(Base):
     end_reason: Mapped[str | None] = mapped_column(String(64))
     last_error: Mapped[str | None] = mapped_column(Text)
     version: Mapped[int] = mapped_column(Integer, default=1)
+    # The warm pool it is a member of, or that its run asked for (see the module's doc).
+    pool: Mapped[str | None] = mapped_column(String(63))
+    claimed_at: Mapped[datetime | None]  # when a run claimed it from its pool
 
     # Listings (newest first, optionally by state) and each sweep's read are index range
     # scans in the order they read, whatever the history's size (bench/sweeps.py). The
@@ -135,6 +146,12 @@ class Lease(Base):
         Index("ix_leases_state_provider_tenant", "state", "provider", "tenant"),
         Index("ix_leases_state_lease_id", "state", "lease_id"),
         Index("ix_leases_tenant_lease_id", "tenant", "lease_id"),
+        # Warm pools: a claim takes the oldest warm member of its pool; fillers count a
+        # pool's unclaimed members by state (models/pool_store.py).
+        Index("ix_leases_warm_pool_created", "pool", "created_at", "lease_id",
+              **in_state("warm")),
+        Index("ix_leases_pool_members", "pool", "state",
+              **where("pool IS NOT NULL AND run_id IS NULL")),
     )
 
 
@@ -168,6 +185,8 @@ class LeaseRecord:
     end_reason: str | None
     last_error: str | None
     version: int
+    pool: str | None
+    claimed_at: datetime | None
 
 
 class Run(Base):
@@ -210,6 +229,24 @@ class LeaseEvent(Base):
     to_state: Mapped[str] = mapped_column(String(32))
     reason: Mapped[str] = mapped_column(Text)
     task_id: Mapped[str | None] = mapped_column(String(64))
+
+
+class Pool(Base):
+    """One row per warm pool ever filled: its circuit breaker, and the row fillers lock
+    (``SELECT ... FOR UPDATE`` on PostgreSQL; SQLite's ``BEGIN IMMEDIATE`` serialises
+    writers anyway) while they count its members and insert new ones, so two fillers can
+    never both see room for the same member. ``failures_total`` is a counter (exported as
+    ``leasekeeper_pool_fill_failures_total``). ``last_error`` never holds a secret: pool
+    members have none, and it is the provider's message, cut short."""
+
+    __tablename__ = "pools"
+
+    name: Mapped[str] = mapped_column(String(63), primary_key=True)
+    consecutive_failures: Mapped[int] = mapped_column(Integer, default=0)
+    failures_total: Mapped[int] = mapped_column(Integer, default=0)
+    open_until: Mapped[datetime | None]  # the breaker creates nothing before this
+    last_error: Mapped[str | None] = mapped_column(Text)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class SweepTick(Base):

@@ -81,6 +81,7 @@ class NewLease:
     acquire_deadline_at: datetime
     deadline_at: datetime
     idle_timeout_s: int
+    pool: str | None = None  # the warm pool its run asked for (it was empty: a cold start)
 
 
 def make_engine(url: str) -> Engine:
@@ -384,6 +385,7 @@ class Store:
                     thread_id=new.thread_id, run_id=new.run_id, spec=new.spec,
                     created_at=now, updated_at=now, acquire_deadline_at=new.acquire_deadline_at,
                     deadline_at=new.deadline_at, idle_timeout_s=new.idle_timeout_s,
+                    pool=new.pool,
                 ).returning(*_LEASES.c)).one()
                 s.execute(insert(_EVENTS).values(
                     lease_id=new.lease_id, at=now, from_state=None,
@@ -416,7 +418,7 @@ class Store:
                  "spec": new.spec, "created_at": now, "updated_at": now,
                  "acquire_deadline_at": new.acquire_deadline_at,
                  "deadline_at": new.deadline_at, "idle_timeout_s": new.idle_timeout_s,
-                 "cleanup_attempts": 0, "version": 1}
+                 "cleanup_attempts": 0, "version": 1, "pool": new.pool}
         try:
             with self.raw_tx() as cur:
                 if not self.raw.start_run_with_intent(
@@ -428,7 +430,7 @@ class Store:
         return LeaseRecord(**{**lease, "backend": None, "live_key": new.sandbox_key,
                               "ready_at": None, "idle_deadline_at": None,
                               "next_cleanup_at": None, "end_reason": None,
-                              "last_error": None})
+                              "last_error": None, "claimed_at": None})
 
     def transition(
         self,

@@ -33,6 +33,11 @@ class AcquireOutcome(StrEnum):
     ADOPTED = "adopted"
 
 
+class ClaimOutcome(StrEnum):
+    CLAIMED = "claimed"  # resumable, and the run's data is in the sandbox's run directory
+    NOT_RESUMABLE = "not_resumable"  # the member is no use (gone, exited): destroy it
+
+
 @dataclass(frozen=True)
 class AcquireRequest:
     lease_id: str
@@ -40,6 +45,37 @@ class AcquireRequest:
     spec: SandboxSpec
     labels: dict[str, str]
     timeout_s: float
+    # The warm pool this sandbox is created for (None: a run's own sandbox). A pool member
+    # gets a run directory (RUN_DIR_ENV) that a later claim fills with its run's data.
+    pool: str | None = None
+
+
+# Every pool member's processes find their run's data in the directory this variable names
+# (on Kubernetes a memory-backed emptyDir): ``run.json`` (run id, tenant, labels; no
+# secrets), ``env`` (0600; ``KEY='value'`` lines, sh-quoted, env then secret_env), and
+# ``claimed``, written last, once the others are complete (atomic renames).
+RUN_DIR_ENV = "LEASEKEEPER_RUN_DIR"
+
+
+@dataclass(frozen=True)
+class ClaimRequest:
+    """A run's data for the pool member it claimed. ``secret_env`` reaches that sandbox
+    alone: never a log, an exception message, a manifest, provider meta or the store."""
+
+    lease_id: str
+    run_id: str
+    tenant: str
+    labels: dict[str, str]
+    env: dict[str, str]
+    secret_env: dict[str, str] = field(repr=False)
+    timeout_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Claimed:
+    outcome: ClaimOutcome
+    reason: str = ""  # why not resumable
+    meta: Meta = field(default_factory=dict)  # merged into the lease's provider meta
 
 
 @dataclass(frozen=True)
@@ -107,6 +143,12 @@ class Provider(Protocol):
 
     def resume_check(self, handle: LeaseHandle, timeout_s: float) -> ResumeResult:
         """Is the lease alive and usable? Raises only for unexpected provider errors."""
+
+    def claim(self, handle: LeaseHandle, request: ClaimRequest) -> Claimed:
+        """A warm pool member is taken by a run: check cheaply that it is resumable, then
+        deliver the run's data into its run directory (RUN_DIR_ENV). Idempotent (a
+        redelivered claim writes the same files again); expected states never raise
+        (NOT_RESUMABLE); unexpected provider errors raise as usual."""
 
     def destroy(self, handle: LeaseHandle) -> DestroyOutcome:
         """Delete every part; not-found is success; raises DestroyIncomplete on failures."""

@@ -4,13 +4,16 @@ A test writes a fault plan (JSON) to ``LEASEKEEPER_FAULTS_FILE``; each provider 
 the first matching rule and consumes one of its ``times``::
 
     {"acquire": [{"fault": "transient", "when": "after", "times": 1}],
-     "destroy": [{"fault": "terminal", "times": 2}]}
+     "destroy": [{"fault": "terminal", "times": 2}],
+     "claim": [{"fault": "kill_worker", "when": "after", "times": 1}]}
 
 ``fault`` is ``transient`` | ``terminal`` | ``conflict`` | ``value_error`` (not a
 ProviderError: a provider bug, or a malformed API reply) | ``kill_worker`` (SIGKILL the
 calling process, as a crash would); ``when`` is ``before`` (nothing done) or ``after``
 (the real call happened, then the fault: for acquire, "the workload exists but the next
-step failed"). The plan file is shared by every worker process, consumed under a lock.
+step failed"; for claim, "the run's data was delivered, then the worker died"). The
+operations are the provider contract's: acquire, resume_check, claim, destroy,
+list_managed. The plan file is shared by every worker process, consumed under a lock.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from typing import Any, TypeVar
 from providers.base import (
     Acquired,
     AcquireRequest,
+    Claimed,
+    ClaimRequest,
     DestroyOutcome,
     LeaseHandle,
     ManagedResource,
@@ -106,6 +111,9 @@ class FaultyProvider:
 
     def resume_check(self, handle: LeaseHandle, timeout_s: float) -> ResumeResult:
         return self._around("resume_check", lambda: self.inner.resume_check(handle, timeout_s))
+
+    def claim(self, handle: LeaseHandle, request: ClaimRequest) -> Claimed:
+        return self._around("claim", lambda: self.inner.claim(handle, request))
 
     def destroy(self, handle: LeaseHandle) -> DestroyOutcome:
         return self._around("destroy", lambda: self.inner.destroy(handle))

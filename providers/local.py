@@ -2,16 +2,21 @@
 
 Each lease gets ``<root>/<name>/``: ``lease.json`` (who owns it, pid, process start time),
 ``work/`` (the sandbox's working directory), ``output.log`` and, when the command ends by
-itself, ``exit_code`` (the exit sentinel). The process is started through ``setsid`` so it
-leads its own process group and outlives the worker that started it; the recorded start
-time guards against pid reuse. Every sandbox process also carries its workspace path in
-``LEASEKEEPER_WORKSPACE``, so a process is found even when its record lost its pid (a
-worker killed between spawn and record) or its workspace was deleted behind our back:
-destroy kills such stragglers too, and list_managed lists them. Destroy sends SIGTERM to
-the group, waits on a pidfd up to a grace period, then SIGKILL, then removes the directory
-(only once no process is left: the record is the pointer a retried destroy needs). A
-per-lease ``flock`` makes acquire and destroy safe against a redelivered task running
-beside the original.
+itself, ``exit_code`` (the exit sentinel). A warm pool member also gets ``run/`` (0700),
+named to its processes by ``LEASEKEEPER_RUN_DIR`` (providers.base.RUN_DIR_ENV); a claim
+fills it with its run's data: ``run.json``, ``env`` (0600) and last ``claimed``, each
+written to a temporary file and renamed into place, so a sandbox that waits for
+``claimed`` and then sources ``env`` never reads half a file.
+
+The process is started through ``setsid`` so it leads its own process group and outlives
+the worker that started it; the recorded start time guards against pid reuse. Every
+sandbox process also carries its workspace path in ``LEASEKEEPER_WORKSPACE``, so a process
+is found even when its record lost its pid (a worker killed between spawn and record) or
+its workspace was deleted behind our back: destroy kills such stragglers too, and
+list_managed lists them. Destroy sends SIGTERM to the group, waits on a pidfd up to a
+grace period, then SIGKILL, then removes the directory (only once no process is left: the
+record is the pointer a retried destroy needs). A per-lease ``flock`` makes acquire, claim
+and destroy safe against a redelivered task running beside the original.
 """
 
 from __future__ import annotations
@@ -33,12 +38,17 @@ from pathlib import Path
 from typing import Any
 
 from providers.base import (
+    RUN_DIR_ENV,
     Acquired,
     AcquireOutcome,
     AcquireRequest,
+    Claimed,
+    ClaimOutcome,
+    ClaimRequest,
     DestroyOutcome,
     LeaseHandle,
     ManagedResource,
+    ResumeOutcome,
     ResumeResult,
 )
 from providers.errors import (
@@ -150,6 +160,30 @@ def _translate(part: str) -> Iterator[None]:
         raise kind(f"local {part}: {exc.strerror or exc}") from None
 
 
+RUN_DIR = "run"  # a pool member's run directory, under its lease directory
+CLAIMED_FILE = "claimed"  # written last by a claim: the run's data is complete
+
+
+def _sh_quote(value: str) -> str:
+    """``value`` in single quotes for sh (a ``'`` becomes ``'"'"'``): sourced, it is the
+    exact value, whatever it holds."""
+    return "'" + value.replace("'", "'\"'\"'") + "'"
+
+
+def _write_atomically(path: Path, data: bytes, mode: int) -> None:
+    """Write to a fresh temporary file of ``mode`` beside ``path``, then rename it over
+    ``path``: a reader sees the old file or the whole new one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
 _TRANSIENT_ERRNOS = frozenset({errno.EAGAIN, errno.ENOMEM, errno.EMFILE, errno.ENFILE, errno.EBUSY,
                                errno.ENOSPC, errno.EINTR})
 
@@ -247,6 +281,8 @@ class LocalProvider:
                 "labels": request.labels,
                 "created_at": datetime.now(UTC).isoformat(),
             }
+            if request.pool is not None:  # a pool member: where its claim will put the run's data
+                (path / RUN_DIR).mkdir(mode=0o700, exist_ok=True)
             self._write_record(path, base)  # the workspace is findable before a process exists
             ident = self._spawn(path, request)
             self._write_record(path, {**base, "pid": ident.pid, "start_ticks": ident.start_ticks})
@@ -260,6 +296,7 @@ class LocalProvider:
             "LEASEKEEPER_LEASE_ID": request.lease_id,
             **request.spec.env,
             **request.spec.secret_values(),
+            **({RUN_DIR_ENV: str(path / RUN_DIR)} if request.pool is not None else {}),
             MARKER: str(path),
         }
         launcher = subprocess.run(
@@ -298,6 +335,34 @@ class LocalProvider:
                     f"process {ident.pid} exited and its pid was reused"
                 )
             return ResumeResult.resumable(pid=ident.pid, workspace=str(path / "work"))
+
+    def claim(self, handle: LeaseHandle, request: ClaimRequest) -> Claimed:
+        """The cheap resume check (is the process alive?), then the run's data into the
+        member's run directory: ``run.json``, ``env`` (0600, ``KEY='value'`` lines, env then
+        secret_env) and ``claimed`` (the run id), each by atomic rename. Idempotent for the
+        same run; a member already claimed by another run is not resumable. Secret values
+        go only into ``env``; no error or meta quotes them."""
+        with _translate("claim"), self._locked(handle.name):
+            check = self.resume_check(handle, request.timeout_s)
+            if check.outcome == ResumeOutcome.NOT_RESUMABLE:
+                return Claimed(ClaimOutcome.NOT_RESUMABLE, check.reason)
+            run_dir = self._dir(handle.name) / RUN_DIR
+            if not run_dir.is_dir():
+                return Claimed(ClaimOutcome.NOT_RESUMABLE,
+                               "not a pool member (it has no run directory)")
+            with contextlib.suppress(FileNotFoundError):
+                holder = (run_dir / CLAIMED_FILE).read_text().strip()
+                if holder != request.run_id:
+                    return Claimed(ClaimOutcome.NOT_RESUMABLE,
+                                   f"already claimed by run {holder[:128]}")
+            record = {"lease_id": request.lease_id, "run_id": request.run_id,
+                      "tenant": request.tenant, "labels": request.labels}
+            _write_atomically(run_dir / "run.json", json.dumps(record).encode(), 0o600)
+            lines = [f"{key}={_sh_quote(value)}\n"
+                     for key, value in [*request.env.items(), *request.secret_env.items()]]
+            _write_atomically(run_dir / "env", "".join(lines).encode(), 0o600)
+            _write_atomically(run_dir / CLAIMED_FILE, f"{request.run_id}\n".encode(), 0o600)
+            return Claimed(ClaimOutcome.CLAIMED, meta={"run_dir": str(run_dir)})
 
     def exit_code(self, handle: LeaseHandle) -> int | None:
         """The exit sentinel: the command's exit code, or None while unknown."""

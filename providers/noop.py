@@ -6,6 +6,9 @@ from providers.base import (
     Acquired,
     AcquireOutcome,
     AcquireRequest,
+    Claimed,
+    ClaimOutcome,
+    ClaimRequest,
     DestroyOutcome,
     LeaseHandle,
     ManagedResource,
@@ -28,6 +31,9 @@ class NoopProvider:
 
     def resume_check(self, handle: LeaseHandle, timeout_s: float) -> ResumeResult:
         return ResumeResult.resumable()
+
+    def claim(self, handle: LeaseHandle, request: ClaimRequest) -> Claimed:
+        return Claimed(ClaimOutcome.CLAIMED)
 
     def destroy(self, handle: LeaseHandle) -> DestroyOutcome:
         return DestroyOutcome.DESTROYED

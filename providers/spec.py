@@ -19,6 +19,7 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 LABEL_KEY = re.compile(r"^[a-z0-9]([-a-z0-9_.]{0,61}[a-z0-9])?$")
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 TENANT = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
+POOL_NAME = TENANT  # a DNS label of at most 40 characters (it becomes a label value)
 REDACTED = "***"
 ECHO_MAX_CHARS = 40  # how much of a refused value an error message may quote
 
@@ -85,12 +86,23 @@ class SandboxSpec(BaseModel):
     ttl_s: int | None = Field(default=None, gt=0)
     idle_timeout_s: int | None = Field(default=None, gt=0)
     resources: Resources | None = None
+    # A warm pool to claim a ready sandbox from (workers/pool_settings.py); the pool's
+    # template fills in provider, backend, image, command and resources.
+    pool: str | None = None
 
     @field_validator("tenant")
     @classmethod
     def _tenant(cls, value: str) -> str:
         if not TENANT.match(value):
             raise ValueError("tenant must be 1-40 lowercase letters, digits or '-' (DNS-safe)")
+        return value
+
+    @field_validator("pool")
+    @classmethod
+    def _pool(cls, value: str | None) -> str | None:
+        if value is not None and not POOL_NAME.match(value):
+            raise ValueError("pool must be a pool name: 1-40 lowercase letters, digits or "
+                             "'-' (DNS-safe)")
         return value
 
     @field_validator("thread_id", "sandbox_key")
@@ -119,11 +131,16 @@ class SandboxSpec(BaseModel):
                 )
         return value
 
-    @model_validator(mode="after")
-    def _total_size(self) -> SandboxSpec:
+    def total_chars(self) -> int:
+        """The size of command, env and secret_env together (bounded by MAX_SPEC_CHARS)."""
         total = sum(len(a) for a in self.command or [])
         total += sum(len(k) + len(v) for k, v in self.env.items())
-        total += sum(len(k) + len(v.get_secret_value()) for k, v in self.secret_env.items())
+        return total + sum(len(k) + len(v.get_secret_value())
+                           for k, v in self.secret_env.items())
+
+    @model_validator(mode="after")
+    def _total_size(self) -> SandboxSpec:
+        total = self.total_chars()
         if total > MAX_SPEC_CHARS:
             raise ValueError(
                 f"command, env and secret_env add up to {total} characters, over the "

@@ -4,6 +4,9 @@ Order, each step one guarded transaction:
 1. the run row (idempotent); a redelivered task continues with the lease the run has;
 2. with ``reuse``, the thread's live lease is resume-checked and bound, or destroyed; one of
    another provider is refused (``provider-mismatch``) and left untouched;
+2b. with ``pool``, a warm member of the pool is claimed (tasks/pool_claim.py): taken in one
+   guarded statement, given the run's data, activated (``claimed``); a member that is not
+   resumable is destroyed and the next one tried; an empty pool means a cold start below;
 3. the lease *intent* (state provisioning, with the provider name it will use) is written
    before the provider creates anything, so a crash at any later point leaves a row;
 4. the provider creates or adopts the resources and waits until ready;
@@ -21,7 +24,13 @@ from typing import Any
 
 from models.schema import Lease, LeaseRecord, LeaseState, RunStatus, utcnow
 from models.store import LiveLeaseExists, NewLease
-from providers.base import AcquireOutcome, AcquireRequest, Provider, ResumeOutcome
+from providers.base import (
+    AcquireOutcome,
+    AcquireRequest,
+    ClaimOutcome,
+    Provider,
+    ResumeOutcome,
+)
 from providers.errors import (
     AcquireCleanupIncomplete,
     InvalidRequest,
@@ -31,10 +40,12 @@ from providers.errors import (
     is_transient,
 )
 from providers.spec import SandboxSpec, check_id
+from tasks import pool_claim
 from tasks.base import LeaseTask
 from tasks.destroy import destroy_lease
 from tasks.leases import handle, later, new_lease_id, sandbox_key
 from workers.app import app
+from workers.pool_settings import resolve_spec
 from workers.runtime import Runtime
 
 log = logging.getLogger("leasekeeper.acquire")
@@ -45,6 +56,7 @@ class AcquireResult(StrEnum):
     ADOPTED = "adopted"  # an earlier attempt had created it; taken over
     REUSED = "reused"  # the thread's live sandbox, resume-checked and bound
     ALREADY_ACQUIRED = "already_acquired"  # a redelivery: the run already has it
+    CLAIMED = "claimed"  # a warm member of the spec's pool, given the run's data
 
 
 @dataclass(frozen=True)
@@ -66,17 +78,19 @@ class Acquisition:
 def labels_for(rt: Runtime, lease_id: str, run_id: str, spec: SandboxSpec) -> dict[str, str]:
     return {**spec.labels, "leasekeeper.dev/installation": rt.settings.installation_id,
             "leasekeeper.dev/lease-id": lease_id, "leasekeeper.dev/tenant": spec.tenant,
-            "leasekeeper.dev/run-id": run_id[:63]}
+            "leasekeeper.dev/run-id": run_id[:63],
+            **({"leasekeeper.dev/pool": spec.pool} if spec.pool else {})}
 
 
 def acquire_lease(
     rt: Runtime, run_id: str, spec: SandboxSpec, task_id: str | None, may_retry: bool
 ) -> Acquisition:
     store = rt.store
+    spec = resolve_spec(rt.settings.pools, spec)  # a pool's template fills in the sandbox
     provider_name = spec.provider or rt.settings.provider
     provider = rt.provider(provider_name)
     key = sandbox_key(spec, provider_name, run_id)
-    if not spec.reuse:
+    if not spec.reuse and spec.pool is None:
         # The common case, a new run's own sandbox: run row and intent in one transaction.
         # A run that exists already, or a key that is taken, takes the general path below.
         with contextlib.suppress(LiveLeaseExists):
@@ -95,8 +109,12 @@ def acquire_lease(
         if lease.state == LeaseState.PROVISIONING:
             # This attempt is alive: keep sweep.stuck_provisioning off the lease meanwhile.
             store.extend_acquire_deadline(run_id, later(rt.settings.acquire_timeout_s))
-            return _provision(rt, provider, lease, run_id, spec, task_id, may_retry)
-        if lease.run_id == run_id:
+            if lease.claimed_at is None:
+                return _provision(rt, provider, lease, run_id, spec, task_id, may_retry)
+            resumed = _deliver_claim(rt, provider, lease, run_id, spec, task_id, may_retry)
+            if resumed is not None:  # else: not resumable after all, and let go: go on
+                return resumed
+        elif lease.run_id == run_id:
             raise InvalidRequest(
                 f"run {run_id}'s lease {lease.lease_id} already ended ({lease.state}: "
                 f"{lease.last_error or lease.end_reason}); start a new run"
@@ -106,6 +124,11 @@ def acquire_lease(
         reused = _try_reuse(rt, provider, key, run_id, task_id)
         if reused is not None:
             return reused
+
+    if spec.pool is not None:
+        claimed = _claim(rt, provider, key, run_id, spec, task_id, may_retry)
+        if claimed is not None:
+            return claimed
 
     try:
         intent = store.create_intent(_new_lease(rt, provider, spec, key, run_id), task_id)
@@ -131,6 +154,7 @@ def _new_lease(rt: Runtime, provider: Provider, spec: SandboxSpec, key: str,
         acquire_deadline_at=later(rt.settings.acquire_timeout_s),
         deadline_at=later(spec.ttl_s or rt.settings.lease_ttl_s),
         idle_timeout_s=spec.idle_timeout_s or rt.settings.lease_idle_timeout_s,
+        pool=spec.pool,
     )
 
 
@@ -162,6 +186,55 @@ def _try_reuse(
     if marked is not None:
         destroy_lease(rt, live.lease_id, "not resumable at reuse", task_id)
     return None
+
+
+def _claim(
+    rt: Runtime, provider: Provider, key: str, run_id: str, spec: SandboxSpec,
+    task_id: str | None, may_retry: bool,
+) -> Acquisition | None:
+    """Warm members of the spec's pool, oldest first, until one is resumable (at most
+    pool_claim_attempts; each one that is not is destroyed); None: start cold."""
+    for _ in range(rt.settings.pool_claim_attempts):
+        try:
+            member = pool_claim.take(rt, spec, key, run_id, task_id)
+        except LiveLeaseExists:
+            return None  # the cold path says what is wrong with the key
+        if member is None:
+            return None
+        done = _deliver_claim(rt, provider, member, run_id, spec, task_id, may_retry)
+        if done is not None:
+            return done
+    return None
+
+
+def _deliver_claim(
+    rt: Runtime, provider: Provider, member: Lease, run_id: str, spec: SandboxSpec,
+    task_id: str | None, may_retry: bool,
+) -> Acquisition | None:
+    """The claimed member gets the run's data and becomes active; None if it was not
+    resumable (it is let go and destroyed)."""
+    labels = labels_for(rt, member.lease_id, run_id, spec)
+    try:
+        claimed = pool_claim.deliver(rt, provider, member, run_id, spec, labels)
+    except ProviderError as exc:
+        if is_transient(exc) and may_retry:
+            raise  # the member stays the run's, provisioning: the retry delivers again
+        _cleanup_failed(rt, member.lease_id, exc, task_id)
+        raise
+    match claimed.outcome:
+        case ClaimOutcome.NOT_RESUMABLE:
+            log.info("pool %s member %s not resumable for run %s: %s", member.pool,
+                     member.lease_id, run_id, claimed.reason)
+            pool_claim.discard(rt, member, run_id, claimed.reason, task_id)
+            return None
+        case ClaimOutcome.CLAIMED:
+            if not pool_claim.activate(rt, member, claimed, run_id, task_id):
+                current = rt.store.get_lease(member.lease_id)
+                raise InvalidRequest(f"lease {member.lease_id} was ended ({current.state}) "
+                                     "while it was being claimed")
+            log.info("lease %s claimed from pool %s for run %s", member.lease_id,
+                     member.pool, run_id)
+            return _acquisition(AcquireResult.CLAIMED, run_id, member)
 
 
 def _provision(
@@ -253,6 +326,7 @@ def _safe(exc: ValueError) -> str:
 def acquire(self: LeaseTask, run_id: str, spec: dict[str, Any] | None = None) -> dict[str, Any]:
     run_id, parsed = parse_acquire(run_id, spec)
     rt = self.runtime
+    parsed = resolve_spec(rt.settings.pools, parsed)  # an unknown pool is refused here
     # A spec the provider can never run (a local command that does not exist) is refused
     # here, before a run or lease row exists or anything is created.
     rt.provider(parsed.provider or rt.settings.provider).check_spec(parsed)

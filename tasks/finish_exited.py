@@ -9,7 +9,8 @@ its run as ``failed`` with that reason and no exit code. It goes through run.fin
 code path (``tasks.runs.finish``), so the reclaim is enqueued exactly when run.finish
 would enqueue it. Unknown (no ``exit_code`` and no ``exit_reason``) is never taken for
 finished. The guarded finish is the claim: of two overlapping ticks,
-only one changes the run and enqueues its reclaim.
+only one changes the run and enqueues its reclaim. A warm pool member whose command exited
+(it has no run) is no use to any run: it goes warm → pending_cleanup and is destroyed.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from models.pool_store import PoolStore
 from models.schema import LeaseState, RunStatus
 from models.store import RunChange
 from tasks.base import LeaseTask
@@ -34,6 +36,7 @@ class ExitedOutcome(StrEnum):
     ALREADY_FINISHED = "already_finished"  # another finish won the guarded update
     NOT_YET_ACTIVE = "not_yet_active"  # the lease is still provisioning: next tick
     DEFERRED = "deferred"  # beyond this tick's batch: next tick
+    WARM_EXITED = "warm_exited"  # a warm pool member's command exited: drained, destroy sent
     LIST_FAILED = "list_failed"  # a provider could not list its resources: next tick
 
 
@@ -68,6 +71,11 @@ def finish_exited(ctx: SweepContext) -> Tally:
             if resource.exit_code is not None or resource.exit_reason:
                 exited[resource.lease_id] = _Exit(listing.provider, resource.exit_code,
                                                   resource.exit_reason)
+    for lease_id in PoolStore(rt.store).retire_exited(
+            list(exited), rt.settings.claim_timeout_s, ctx.task_id, ctx.dry_run):
+        if not ctx.dry_run:
+            ctx.effects.destroy(lease_id, "pool member exited while warm")
+        tally.add(ExitedOutcome.WARM_EXITED, lease_id, exited[lease_id].detail)
     budget = rt.settings.sweep_batch_size
     for lease, run in rt.store.unfinished_runs_on_leases(list(exited)):
         ended = exited[lease.lease_id]

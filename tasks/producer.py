@@ -29,6 +29,7 @@ from tasks.runs import detach_run as _detach
 from tasks.runs import finish_run as _finish
 from tasks.runs import parse_finish
 from tasks.runs import touch_lease as _touch
+from workers.pool_settings import resolve_spec
 from workers.settings import get_settings
 
 
@@ -64,7 +65,12 @@ def broker_unreachable(url: str, exc: BaseException) -> str:
 def acquire_lease(run_id: str, spec: SandboxSpec | Mapping[str, Any] | None = None
                   ) -> AsyncResult:
     run_id, parsed = parse_acquire(run_id, dict(spec) if isinstance(spec, Mapping) else spec)
-    providers = get_settings().providers
+    settings = get_settings()
+    if parsed.pool is not None and settings.pools:
+        # Refused here when this process knows the pools (a backend that does not declare
+        # them leaves it to the worker): an unknown pool, a field its template decides.
+        resolve_spec(settings.pools, parsed)
+    providers = settings.providers
     if parsed.provider is not None and parsed.provider not in providers:
         raise InvalidRequest(
             f"unknown provider {parsed.provider!r}: this installation enables "

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from tasks.finish_exited import finish_exited
 from tasks.orphans import orphans
+from tasks.pool_fill import fill_pools
 from tasks.stuck import stuck_provisioning
 from tasks.sweeping import CeleryEffects, Effects, Summary, SweepBody, SweepContext, run_sweep
 from tasks.sweeps import expire_leases, reap_runs, retry_cleanup
 from workers.runtime import Runtime
 
 # In the order `leasekeeper reap` runs them: runs first (they free sandboxes), then the
-# leases, then cleanup, then the reconciliations against the providers.
+# leases, then cleanup, then the reconciliations against the providers, then the warm
+# pools' refill (after everything that frees room in them).
 SWEEPS: dict[str, SweepBody] = {
     "sweep.finish_exited": finish_exited,
     "sweep.reap_runs": reap_runs,
@@ -24,6 +26,7 @@ SWEEPS: dict[str, SweepBody] = {
     "sweep.stuck_provisioning": stuck_provisioning,
     "sweep.retry_cleanup": retry_cleanup,
     "sweep.orphans": orphans,
+    "sweep.fill_pools": fill_pools,
 }
 
 

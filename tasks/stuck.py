@@ -13,6 +13,13 @@ the deadline one claim ahead, so no other tick takes it) and asks the provider:
 - a resource under its name that another lease's label claims → abandoned for an operator
   (destroying it would destroy someone else's sandbox).
 
+Warm pool members (tasks/pool_fill.py) are leases like any other here: an unclaimed member
+(no run) found healthy is adopted back into its pool (warm); one whose sandbox exists but
+is not healthy (it never became ready) is destroyed and counts as a failure on its pool's
+circuit breaker. A member a run claimed but whose claim never completed (its worker died
+between the claim and the activation) is never adopted (the run's data may not have
+reached it): it is destroyed, and its run failed, as after a failed acquire.
+
 If the acquire finishes first, its guarded transition wins and the sweep leaves it.
 """
 
@@ -22,11 +29,13 @@ import logging
 from enum import StrEnum
 from typing import Any
 
+from models.pool_store import PoolStore
 from models.schema import Lease, LeaseState, RunStatus, utcnow
 from providers.base import LeaseHandle, ManagedResource, ResumeOutcome
 from providers.errors import ProviderError
 from tasks.base import LeaseTask
 from tasks.leases import later
+from tasks.pool_fill import breaker_policy
 from tasks.sweeping import Listing, Summary, SweepContext, Tally, list_provider, sweep_task
 from workers.app import app
 
@@ -88,13 +97,20 @@ def _reconcile(ctx: SweepContext, lease: Lease, resource: ManagedResource | None
         else:
             tally.add(StuckOutcome.ACQUIRE_WON, lease.lease_id)
         return
+    member = lease.pool is not None and lease.run_id is None  # an unclaimed pool member
     unhealthy = _unhealthy(ctx, lease, resource)
+    if unhealthy is None and lease.claimed_at is not None:
+        unhealthy = (f"its claim by run {lease.run_id} did not complete (the run's data may "
+                     "not have reached it)")
     if unhealthy is None and resource is not None:
+        # An unclaimed member goes back to its pool; a run's lease becomes the run's.
+        to = LeaseState.WARM if member else LeaseState.ACTIVE
+        idle: dict[str, Any] = {} if member else {"idle_deadline_at": later(lease.idle_timeout_s)}
         if ctx.dry_run or rt.store.transition(
-                lease.lease_id, {LeaseState.PROVISIONING}, LeaseState.ACTIVE,
+                lease.lease_id, {LeaseState.PROVISIONING}, to,
                 f"adopted by {NAME}: the provider has it, healthy", ctx.task_id,
                 backend=resource.backend, provider_meta=resource.meta, ready_at=utcnow(),
-                idle_deadline_at=later(lease.idle_timeout_s)):
+                **idle):
             tally.add(StuckOutcome.ADOPTED, lease.lease_id)
         else:
             tally.add(StuckOutcome.ACQUIRE_WON, lease.lease_id)
@@ -105,9 +121,18 @@ def _reconcile(ctx: SweepContext, lease: Lease, resource: ManagedResource | None
         return
     found: dict[str, Any] = ({"backend": resource.backend, "provider_meta": resource.meta}
              if resource is not None else {})
-    if rt.store.transition(lease.lease_id, {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP,
-                           reason, ctx.task_id, end_reason="acquire_stuck", last_error=reason,
-                           next_cleanup_at=later(rt.settings.claim_timeout_s), **found) is None:
+    cleanup_at = later(rt.settings.claim_timeout_s)
+    if member and lease.pool is not None and resource is not None:
+        # It exists but never became ready: a failure of its pool's creates (#1215).
+        moved = PoolStore(rt.store).member_failed(
+            lease.lease_id, lease.pool, reason, reason, "acquire_stuck",
+            breaker_policy(rt.settings), cleanup_at, ctx.task_id, **found) is not None
+    else:
+        moved = rt.store.transition(
+            lease.lease_id, {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP, reason,
+            ctx.task_id, end_reason="acquire_stuck", last_error=reason,
+            next_cleanup_at=cleanup_at, **found) is not None
+    if not moved:
         tally.add(StuckOutcome.ACQUIRE_WON, lease.lease_id)
         return
     if lease.run_id:

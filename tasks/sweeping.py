@@ -69,6 +69,8 @@ class Effects(Protocol):
 
     def destroy(self, lease_id: str, reason: str) -> None: ...
 
+    def provision(self, lease_id: str) -> None: ...
+
 
 @dataclass(frozen=True)
 class SweepContext:
@@ -141,6 +143,11 @@ class CeleryEffects:
         from tasks.destroy import destroy
 
         destroy.apply_async(kwargs={"lease_id": lease_id, "reason": reason})
+
+    def provision(self, lease_id: str) -> None:
+        from tasks.pool_fill import provision
+
+        provision.apply_async(kwargs={"lease_id": lease_id})
 
 
 @dataclass(frozen=True)

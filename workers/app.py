@@ -32,7 +32,7 @@ from workers.settings import Settings, get_settings
 
 TASK_MODULES = ["tasks.acquire", "tasks.resume", "tasks.destroy", "tasks.reclaim",
                 "tasks.runs", "tasks.sweeps", "tasks.finish_exited", "tasks.stuck",
-                "tasks.orphans", "tasks.diag"]
+                "tasks.orphans", "tasks.pool_fill", "tasks.diag"]
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

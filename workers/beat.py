@@ -18,6 +18,7 @@ SWEEPS = {
     "sweep.finish_exited": "finish_exited_interval_s",
     "sweep.stuck_provisioning": "stuck_provisioning_interval_s",
     "sweep.orphans": "orphans_interval_s",
+    "sweep.fill_pools": "fill_pools_interval_s",
 }
 
 

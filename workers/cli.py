@@ -9,6 +9,7 @@ module plus one line below:
     runs list|show             workers/cli_runs.py
     status, health             workers/cli_status.py  one-screen status; probes
     reap                       workers/cli_reap.py    every sweep once, or a dry run
+    pools                      workers/cli_pools.py   the warm pools, their members, breakers
     check, metrics, console    workers/cli_observe.py invariants; the exporter; the console
 
 Errors leasekeeper raises on purpose become one line on stderr and exit code 2 (main below);
@@ -21,7 +22,16 @@ from typing import Annotated
 
 import typer
 
-from workers import cli_db, cli_leases, cli_observe, cli_reap, cli_runs, cli_status, cli_up
+from workers import (
+    cli_db,
+    cli_leases,
+    cli_observe,
+    cli_pools,
+    cli_reap,
+    cli_runs,
+    cli_status,
+    cli_up,
+)
 from workers.cli_common import run_cli
 
 cli = typer.Typer(no_args_is_help=True, rich_markup_mode=None,
@@ -50,6 +60,7 @@ cli_leases.register(cli)
 cli_runs.register(cli)
 cli_status.register(cli)
 cli_reap.register(cli)
+cli_pools.register(cli)
 cli_observe.register(cli)
 
 

@@ -34,6 +34,8 @@ StateOpt = Annotated[list[str] | None, typer.Option(
     "--state", help=f"Only leases in this state (repeatable): {', '.join(STATES)}.")]
 ProviderOpt = Annotated[str | None, typer.Option(help="Only leases of this provider.")]
 TenantOpt = Annotated[str | None, typer.Option(help="Only leases of this tenant.")]
+PoolOpt = Annotated[str | None, typer.Option(
+    help="Only leases of this warm pool (its members, and the leases runs asked it for).")]
 OlderOpt = Annotated[str | None, typer.Option(
     "--older-than", help="Only leases created longer ago than this (90s, 15m, 2h, 1d).")]
 LimitOpt = Annotated[int, typer.Option(min=1, max=1000, help="At most this many rows.")]
@@ -45,13 +47,13 @@ def register(cli: typer.Typer) -> None:
 
 
 def _filter(state: list[str] | None, provider: str | None, tenant: str | None,
-            older_than: str | None) -> LeaseFilter:
+            older_than: str | None, pool: str | None = None) -> LeaseFilter:
     unknown = sorted(set(state or []) - set(STATES))
     if unknown:
         raise typer.BadParameter(f"unknown state(s) {', '.join(unknown)}; known: "
                                  f"{', '.join(STATES)}", param_hint="--state")
     before = utcnow() - parse_duration(older_than, "--older-than") if older_than else None
-    return LeaseFilter(tuple(state or ()), provider, tenant, before)
+    return LeaseFilter(tuple(state or ()), provider, tenant, before, pool)
 
 
 def lease_json(lease: Lease) -> dict[str, Any]:
@@ -70,11 +72,11 @@ def event_json(event: LeaseEvent) -> dict[str, Any]:
 
 @leases_cli.command("list")
 def leases_list(state: StateOpt = None, provider: ProviderOpt = None, tenant: TenantOpt = None,
-                older_than: OlderOpt = None, limit: LimitOpt = 50, offset: OffsetOpt = 0,
-                as_json: JsonOpt = False) -> None:
+                older_than: OlderOpt = None, pool: PoolOpt = None, limit: LimitOpt = 50,
+                offset: OffsetOpt = 0, as_json: JsonOpt = False) -> None:
     """List leases, newest first, a page at a time."""
-    page = lease_page(runtime().store, _filter(state, provider, tenant, older_than), limit,
-                      offset)
+    page = lease_page(runtime().store, _filter(state, provider, tenant, older_than, pool),
+                      limit, offset)
     if as_json:
         emit_json({"leases": [lease_json(x) for x in page.rows], "total": page.total,
                    "limit": page.limit, "offset": page.offset,
@@ -82,9 +84,9 @@ def leases_list(state: StateOpt = None, provider: ProviderOpt = None, tenant: Te
         return
     now = utcnow()
     typer.echo(table(
-        ["lease", "state", "provider", "tenant", "run", "created", "age", "end reason",
-         "attempts"],
-        [[x.lease_id, x.state, x.provider, x.tenant, x.run_id, x.created_at,
+        ["lease", "state", "provider", "tenant", "pool", "run", "created", "age",
+         "end reason", "attempts"],
+        [[x.lease_id, x.state, x.provider, x.tenant, x.pool, x.run_id, x.created_at,
           age(x.created_at, now), x.end_reason, x.cleanup_attempts] for x in page.rows]))
     more = (f"; next page: --offset {page.next_offset}" if page.next_offset is not None else "")
     typer.echo(f"{len(page.rows)} of {page.total} lease(s){more}")
@@ -128,6 +130,7 @@ def leases_show(lease_id: str, as_json: JsonOpt = False) -> None:
               ("thread", lease.thread_id), ("provider", lease.provider),
               ("provider name", lease.provider_lease_id), ("backend", lease.backend),
               ("sandbox key", lease.sandbox_key), ("reuse", lease.reuse),
+              ("pool", lease.pool), ("claimed", iso(lease.claimed_at)),
               ("run", f"{lease.run_id} ({_run_text(run)})" if lease.run_id else None),
               ("created", iso(lease.created_at)), ("ready", iso(lease.ready_at)),
               ("acquire deadline", iso(lease.acquire_deadline_at)),

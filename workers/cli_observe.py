@@ -27,7 +27,8 @@ def check(
     from models.invariants import check as check_store
 
     rt = runtime()
-    violations = check_store(rt.store, utcnow(), rt.settings.claim_timeout_s)
+    violations = check_store(rt.store, utcnow(), rt.settings.claim_timeout_s,
+                             {pool.name: pool.max_size for pool in rt.settings.pools})
     if as_json:
         typer.echo(json.dumps({"violations": [v.as_dict() for v in violations]}, indent=1))
     else:

@@ -2,9 +2,10 @@
 (liveness and readiness probes: fast, quiet on success).
 
 status shows leases by state and provider, abandoned leases with their reasons, the oldest
-pending_cleanup, runs by status, each sweep's last tick (workers/heartbeats.py), workers
-online, queue lengths, and a verdict. It exits 1 when something needs a person: abandoned
-leases, a sweep that has not run within three of its intervals, no worker, a service down.
+pending_cleanup, runs by status, the warm pools, each sweep's last tick
+(workers/heartbeats.py), workers online, queue lengths, and a verdict. It exits 1 when
+something needs a person: abandoned leases, a warm pool whose circuit breaker stopped its
+creates, a sweep that has not run within three of its intervals, no worker, a service down.
 """
 
 from __future__ import annotations
@@ -104,6 +105,15 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
         if ov.abandoned_total:
             verdict.problems.append(f"{ov.abandoned_total} abandoned lease(s) wait for an "
                                     "operator (leasekeeper leases list --state abandoned)")
+        from workers.cli_pools import pool_rows
+
+        report["pools"] = pool_rows(rt)
+        for pool in report["pools"]:
+            if pool["breaker"] != "closed":
+                verdict.problems.append(
+                    f"warm pool {pool['pool']} stopped creating members after "
+                    f"{pool['consecutive_failures']} failed in a row (breaker "
+                    f"{pool['breaker']}): see `leasekeeper pools` for the last error")
     except LeasekeeperError as exc:
         verdict.problems.append(f"store: {exc}")
     client = _redis(settings)
@@ -176,6 +186,10 @@ def _print(report: dict[str, Any]) -> None:
                        f"{oldest['attempts']} attempt(s)")
         typer.echo("runs: " + (", ".join(f"{n} {s}" for s, n in sorted(store["runs"].items()))
                                or "none"))
+    for pool in report.get("pools") or []:
+        typer.echo(f"pool {pool['pool']}: {pool['warm']} warm of {pool['size']} (max "
+                   f"{pool['max_size']}), {pool['provisioning']} provisioning, "
+                   f"{pool['draining']} draining; breaker {pool['breaker']}")
     if report.get("sweeps") is not None:
         typer.echo("sweeps")
         typer.echo(_indent(table(

@@ -28,7 +28,8 @@ from workers.settings import Settings, env_file_path, get_settings, load_setting
 DEMO_SETTINGS = {"REAP_RUNS_INTERVAL_S": "1", "EXPIRE_LEASES_INTERVAL_S": "1",
                  "RETRY_CLEANUP_INTERVAL_S": "2", "RUN_DETACH_TTL_S": "2",
                  "FINISH_EXITED_INTERVAL_S": "1", "ORPHANS_INTERVAL_S": "2",
-                 "STUCK_PROVISIONING_INTERVAL_S": "2", "LOCAL_DESTROY_GRACE_S": "2"}
+                 "STUCK_PROVISIONING_INTERVAL_S": "2", "FILL_POOLS_INTERVAL_S": "1",
+                 "LOCAL_DESTROY_GRACE_S": "2"}
 CLIENT_SETTINGS = ("LEASEKEEPER_BROKER_URL", "LEASEKEEPER_STORE_URL", "LEASEKEEPER_TASK_QUEUE")
 
 

@@ -24,6 +24,8 @@ from models.store import Store
 from providers.base import (
     Acquired,
     AcquireRequest,
+    Claimed,
+    ClaimRequest,
     DestroyOutcome,
     LeaseHandle,
     ManagedResource,
@@ -101,6 +103,9 @@ class RecordingProvider:
 
     def resume_check(self, handle: LeaseHandle, timeout_s: float) -> ResumeResult:
         return self._call("resume_check", lambda: self.inner.resume_check(handle, timeout_s))
+
+    def claim(self, handle: LeaseHandle, request: ClaimRequest) -> Claimed:
+        return self._call("claim", lambda: self.inner.claim(handle, request))
 
     def destroy(self, handle: LeaseHandle) -> DestroyOutcome:
         return self._call("destroy", lambda: self.inner.destroy(handle))

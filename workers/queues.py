@@ -3,9 +3,10 @@
 Every queue name derives from ``LEASEKEEPER_TASK_QUEUE`` (the base, ``celery`` by default),
 so two installations sharing a Redis stay apart: ``<base>.cleanup``, ``<base>.sweeps``,
 ``<base>`` itself (the default queue: what a by-name sender reaches without naming a
-queue) and ``<base>.acquire``. A worker without ``-Q`` consumes all four, and it polls them
-in that order (kombu's ``priority`` queue order), so a destroy or reclaim waits for at most
-one running task per pool process, never behind the acquires queued before it. ``-Q``
+queue), ``<base>.acquire`` and ``<base>.pool``. A worker without ``-Q`` consumes all five,
+and it polls them in that order (kombu's ``priority`` queue order), so a destroy or
+reclaim waits for at most one running task per pool process, never behind the acquires
+queued before it, and a warm pool's refill never delays a run's acquire (or claim). ``-Q``
 splits them over workers; production runs a separate cleanup worker (see the README).
 """
 
@@ -22,10 +23,11 @@ class Lane(StrEnum):
     SWEEPS = "sweeps"  # celery beat's ticks
     DEFAULT = "default"  # the base queue itself: by-name sends with no queue, diagnostics
     ACQUIRE = "acquire"  # provider waits: acquire (up to the acquire timeout), resume check
+    POOL = "pool"  # warm pool members being created: only when no run is waiting
 
 
 # The order a worker polls its queues in: the first non-empty queue is served first.
-POLL_ORDER = (Lane.CLEANUP, Lane.SWEEPS, Lane.DEFAULT, Lane.ACQUIRE)
+POLL_ORDER = (Lane.CLEANUP, Lane.SWEEPS, Lane.DEFAULT, Lane.ACQUIRE, Lane.POOL)
 
 TASK_LANES: dict[str, Lane] = {
     "lease.acquire": Lane.ACQUIRE,
@@ -36,6 +38,7 @@ TASK_LANES: dict[str, Lane] = {
     "run.detach": Lane.CLEANUP,
     "run.attach": Lane.CLEANUP,
     "lease.touch": Lane.CLEANUP,
+    "pool.provision": Lane.POOL,
 }
 SWEEP_PREFIX = "sweep."
 

@@ -16,12 +16,13 @@ import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from providers.errors import ConfigError
+from workers.pool_settings import PoolDeclaration, read_pools
 
 ENV_PREFIX = "LEASEKEEPER_"
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
@@ -77,6 +78,20 @@ class Settings(BaseSettings):
     # began is stuck (a slow or stuck garbage collector): sweep.orphans reports it and
     # destroys it again, which deletes its pods explicitly.
     kube_terminating_limit_s: float = Field(default=600.0, ge=0)
+
+    # Warm pools (workers/pool_settings.py): LEASEKEEPER_POOLS (JSON) or
+    # LEASEKEEPER_POOLS_FILE (JSON or TOML), read and validated with the other settings.
+    pools: Annotated[tuple[PoolDeclaration, ...], NoDecode] = ()
+    pools_file: Path | None = None
+    fill_pools_interval_s: float = Field(default=15.0, gt=0)
+    # A claim tries at most this many members (each found not resumable is destroyed)
+    # before the acquire starts a sandbox cold.
+    pool_claim_attempts: int = Field(default=3, gt=0, le=20)
+    # After this many consecutive failed member creates a pool stops creating for
+    # pool_breaker_backoff_s, doubling after each further failure up to the max.
+    pool_breaker_threshold: int = Field(default=3, gt=0)
+    pool_breaker_backoff_s: float = Field(default=30.0, gt=0)
+    pool_breaker_backoff_max_s: float = Field(default=900.0, gt=0)
 
     # Lease lifetimes.
     lease_ttl_s: int = Field(default=3600, gt=0)
@@ -141,6 +156,13 @@ class Settings(BaseSettings):
     console_page_size: int = Field(default=50, gt=0, le=500)
     console_flower_url: str = "http://127.0.0.1:5555"  # task links point here
 
+    @model_validator(mode="before")
+    @classmethod
+    def _read_pools(cls, data: Any) -> Any:
+        if isinstance(data, dict) and ("pools" in data or "pools_file" in data):
+            return {**data, "pools": read_pools(data.get("pools"), data.get("pools_file"))}
+        return data
+
     @field_validator("providers", mode="before")
     @classmethod
     def _split_providers(cls, value: object) -> object:
@@ -179,6 +201,14 @@ class Settings(BaseSettings):
                 f"LEASEKEEPER_PROVIDER={self.provider!r} is not among "
                 f"LEASEKEEPER_PROVIDERS={','.join(self.providers)!r}; add it there"
             )
+        source = (f"LEASEKEEPER_POOLS_FILE={self.pools_file}" if self.pools_file
+                  else "LEASEKEEPER_POOLS")
+        for pool in self.pools:
+            if pool.provider not in self.providers:
+                raise ValueError(
+                    f"{source}: pool {pool.name!r} uses provider {pool.provider!r}, which is "
+                    f"not among LEASEKEEPER_PROVIDERS={','.join(self.providers)!r}; add it "
+                    "there, or give the pool one of those")
         if not self.task_soft_time_limit_s < self.task_time_limit_s < self.visibility_timeout_s:
             raise ValueError(
                 "need LEASEKEEPER_TASK_SOFT_TIME_LIMIT_S < LEASEKEEPER_TASK_TIME_LIMIT_S < "
@@ -235,8 +265,9 @@ def load_settings(read_env_file: bool = True) -> Settings:
         problems = []
         for err in exc.errors():
             field = "_".join(str(p) for p in err["loc"]) if err["loc"] else ""
-            name = f"{ENV_PREFIX}{field.upper()}" if field else "settings"
-            problems.append(f"{name}: {err['msg'].removeprefix('Value error, ')}")
+            message = err["msg"].removeprefix("Value error, ")
+            # A message about the whole settings names its variables itself.
+            problems.append(f"{ENV_PREFIX}{field.upper()}: {message}" if field else message)
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None
 
 

@@ -41,7 +41,16 @@ LOCAL_FAULT_PLAN: dict[str, list[dict[str, Any]]] = {
                 {"fault": "kill_worker", "when": "after", "times": 2}],
     "resume_check": [{"fault": "transient", "when": "before", "times": 3}],
     "list_managed": [{"fault": "transient", "when": "before", "times": 4}],
+    # claims of warm pool members: retried after the delivery, the worker killed after it
+    # (a redelivery or sweep.stuck_provisioning finishes or cleans up), one that fails
+    "claim": [{"fault": "transient", "when": "after", "times": 3},
+              {"fault": "kill_worker", "when": "after", "times": 2},
+              {"fault": "terminal", "when": "before", "times": 1}],
 }
+# A warm pool on the fault-injecting provider, filled and claimed during the attack.
+CHAOS_POOL = {"name": "chaos", "provider": "faulty", "size": 4, "max_size": 6,
+              "fill_batch_size": 3, "max_age_s": 20}
+POOL_RUNS = (1, 3, 5)  # runs i with i % 8 among these claim from the pool (odd: faulty)
 
 
 class ChaosTarget(Protocol):
@@ -66,7 +75,8 @@ class ChaosTarget(Protocol):
 
 @dataclass
 class LocalTarget:
-    """The local provider, half of it through the fault-injecting ``faulty`` provider."""
+    """The local provider, half of it through the fault-injecting ``faulty`` provider, with
+    a warm pool on that one (some runs claim from it)."""
 
     root: Path  # the installation's LEASEKEEPER_LOCAL_ROOT_DIR
     faults_file: Path
@@ -75,9 +85,13 @@ class LocalTarget:
 
     @property
     def env(self) -> dict[str, str]:
-        return {"LEASEKEEPER_PROVIDERS": "local,faulty", "LEASEKEEPER_PROVIDER": "local"}
+        return {"LEASEKEEPER_PROVIDERS": "local,faulty", "LEASEKEEPER_PROVIDER": "local",
+                "LEASEKEEPER_POOLS": json.dumps([CHAOS_POOL]),
+                "LEASEKEEPER_POOL_BREAKER_BACKOFF_S": "2"}
 
     def spec(self, i: int) -> dict[str, Any]:
+        if i % 8 in POOL_RUNS:
+            return {"pool": CHAOS_POOL["name"]}
         return {"provider": "faulty" if i % 2 else "local"}
 
     def provider_faults(self) -> None:

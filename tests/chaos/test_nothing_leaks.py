@@ -14,6 +14,12 @@ reclaimed; every abandoned lease counted (the retry sweep's ``abandoned_total``)
 once an operator retries it; then ``leasekeeper check`` finds no record that lies (no
 run on an ended lease, no live lease without its run, no reclaim outcome contradicting its
 lease). The counts are printed (run with ``-s`` to see them).
+
+With a warm pool (the local target declares one): members are filled and claimed during
+the attack; at no sampled instant does the pool have more members than its max_size (in
+the store, nor among the provider's real resources), no member is ever claimed by two
+runs, a warm member is a legitimately live lease, and once beat stops and the operator
+destroys the warm members, nothing is left.
 """
 
 from __future__ import annotations
@@ -162,6 +168,66 @@ def attack(chaos: ChaosCluster, client: Celery, rng: random.Random, done: thread
 
 
 @dataclass
+class PoolWatch:
+    """Samples every declared pool's members while the attack runs: in the store (unclaimed
+    members that exist) and among the provider's real resources (those whose lease is an
+    unclaimed member when looked up right after listing)."""
+
+    rt: Runtime
+    target: ChaosTarget
+    max_sizes: dict[str, int]
+    peak_store: Counter[str] = field(default_factory=Counter)
+    peak_real: Counter[str] = field(default_factory=Counter)
+    samples: int = 0
+
+    def sample(self) -> None:
+        from models.pool_store import PoolStore
+
+        real = self.target.real_resources()
+        counts = PoolStore(self.rt.store).member_counts(list(self.max_sizes))
+        with self.rt.store.tx() as s:
+            members = {(lease.provider, lease.provider_lease_id): lease.pool for lease in
+                       s.scalars(select(Lease).where(Lease.pool.is_not(None),
+                                                     Lease.run_id.is_(None),
+                                                     Lease.state.not_in(FINAL_STATES)))}
+        on_provider: Counter[str] = Counter()
+        for provider, names in real.items():
+            for name in names:
+                pool = members.get((provider, name))
+                if pool:
+                    on_provider[pool] += 1
+        for pool in self.max_sizes:
+            self.peak_store[pool] = max(self.peak_store[pool], sum(counts[pool].values()))
+            self.peak_real[pool] = max(self.peak_real[pool], on_provider[pool])
+        self.samples += 1
+
+    def watch(self, done: threading.Event) -> None:
+        while not done.is_set():
+            patiently(self.sample, 5)
+            time.sleep(0.2)
+
+
+def claimed_twice(rt: Runtime) -> list[str]:
+    """Pool members that more than one run claimed (by their history)."""
+    runs: dict[str, set[str]] = {}
+    with rt.store.tx() as s:
+        for lease_id, reason in s.execute(
+                select(LeaseEvent.lease_id, LeaseEvent.reason)
+                .where(LeaseEvent.reason.like("claimed from pool % by run %"))):
+            runs.setdefault(lease_id, set()).add(reason.split(" by run ")[1].split(":")[0])
+    return [f"{lease_id}: {sorted(r)}" for lease_id, r in runs.items() if len(r) > 1]
+
+
+def pool_runs(rt: Runtime) -> dict[str, int]:
+    """Leases of runs that asked a pool: a member claimed, or started cold."""
+    with rt.store.tx() as s:
+        leases = list(s.execute(select(Lease.claimed_at, Lease.run_id)
+                                .where(Lease.pool.is_not(None))))
+    return {"claimed": sum(1 for claimed_at, _ in leases if claimed_at is not None),
+            "cold": sum(1 for claimed_at, run_id in leases if claimed_at is None and run_id)}
+
+
+@dataclass
 class Accounting:
     leases: int
     states: Counter[str]
@@ -175,6 +241,7 @@ class Accounting:
     reclaimed: Counter[str]
     abandoned: list[str]
     suspects: list[str]  # ids of the leases behind the problems above, and abandoned ones
+    warm: int = 0  # warm pool members, live with their sandbox
 
     @property
     def converged(self) -> bool:
@@ -188,7 +255,7 @@ class Accounting:
                 "resources_without_a_live_lease": len(self.unaccounted),
                 "leases_stuck_non_final": len(self.stuck),
                 "terminal_runs_not_reclaimed": len(self.unreclaimed),
-                "abandoned": len(self.abandoned)}
+                "abandoned": len(self.abandoned), "warm_pool_members": self.warm}
 
 
 def account(rt: Runtime, target: ChaosTarget) -> Accounting:
@@ -212,9 +279,12 @@ def account(rt: Runtime, target: ChaosTarget) -> Accounting:
                 suspects += [lease.lease_id] if lease else []
 
     def legitimately_active(lease: Lease) -> bool:
+        alive = real.get(lease.provider, {}).get(lease.provider_lease_id, False)
+        if lease.state == LeaseState.WARM:  # a ready pool member, waiting for a claim
+            return lease.deadline_at > now and lease.run_id is None and alive
         return (lease.state == LeaseState.ACTIVE and lease.deadline_at > now
                 and lease.idle_deadline_at is not None and lease.idle_deadline_at > now
-                and real.get(lease.provider, {}).get(lease.provider_lease_id, False))
+                and alive)
 
     stuck_leases = [lease for lease in leases
                     if lease.state not in FINAL_STATES and not legitimately_active(lease)]
@@ -230,7 +300,9 @@ def account(rt: Runtime, target: ChaosTarget) -> Accounting:
         unreclaimed=[r.run_id for r in terminal if r.reclaim_due and r.reclaim_outcome is None],
         reclaimed=Counter(r.reclaim_outcome or "-" for r in terminal if r.reclaim_due),
         abandoned=abandoned,
-        suspects=suspects + [lease.lease_id for lease in stuck_leases] + abandoned)
+        suspects=suspects + [lease.lease_id for lease in stuck_leases] + abandoned,
+        warm=sum(1 for lease in leases if lease.state == LeaseState.WARM
+                 and legitimately_active(lease)))
 
 
 def converge(rt: Runtime, target: ChaosTarget, timeout_s: float,
@@ -280,10 +352,14 @@ def test_nothing_leaks(chaos: ChaosCluster, target: ChaosTarget) -> None:
         chaos.start_worker(client)
     target.provider_faults()
     started = time.monotonic()
+    pools = PoolWatch(rt, target, {p["name"]: p["max_size"] for p in json.loads(
+        target.env.get("LEASEKEEPER_POOLS", "[]"))})
     with beats(chaos.env, chaos.root, 2, interval_s=1.0, tag="chaos"):
         done = threading.Event()
         attacker = threading.Thread(target=attack, args=(chaos, client, rng, done))
         attacker.start()
+        watcher = threading.Thread(target=pools.watch, args=(done,))
+        watcher.start()
         driver = Driver(client, rt, target, random.Random(seed + 1))
         with ThreadPoolExecutor(max_workers=32) as pool:
             for i in range(runs):
@@ -291,6 +367,7 @@ def test_nothing_leaks(chaos: ChaosCluster, target: ChaosTarget) -> None:
                 time.sleep(40.0 / runs)  # spread the workload over the attack window
         done.set()
         attacker.join()
+        watcher.join()
         workload_s = time.monotonic() - started
         # The attack is over: the provider behaves again and two workers are up.
         faults = target.faults_injected()
@@ -304,6 +381,10 @@ def test_nothing_leaks(chaos: ChaosCluster, target: ChaosTarget) -> None:
         print(json.dumps({"driver": dict(driver.outcomes), "attacks": chaos.attacks,
                           "attack_errors": chaos.attack_errors,
                           "provider_faults": faults, "after_convergence": books.show(),
+                          "pools": {"samples": pools.samples, "runs": pool_runs(rt),
+                                    "peak_members_store": dict(pools.peak_store),
+                                    "peak_members_provider": dict(pools.peak_real),
+                                    "max_size": pools.max_sizes},
                           "workload_s": round(workload_s), "converged_s": round(converged_s)},
                          indent=1))
         assert not books.unaccounted, (f"leaked resources: {books.unaccounted[:20]}\n"
@@ -317,17 +398,29 @@ def test_nothing_leaks(chaos: ChaosCluster, target: ChaosTarget) -> None:
         assert sum(faults.values()) > 0, "no provider fault fired"
         assert books.leases >= runs // 2 and books.states[LeaseState.DESTROYED] > 0
         target.check_harness()  # what runs beside the workers survived and still works
+        for pool, max_size in pools.max_sizes.items():  # never above max_size, anywhere
+            assert pools.samples and pools.peak_store[pool] <= max_size, pools.peak_store
+            assert pools.peak_real[pool] <= max_size, pools.peak_real
+        assert not claimed_twice(rt), claimed_twice(rt)  # one run per claimed sandbox
+        if pools.max_sizes:
+            assert pool_runs(rt)["claimed"] > 0, "no run claimed a warm member"
 
         # The operator retries every abandoned lease; with the provider healthy, they go.
         for lease_id in books.abandoned:
             assert operator(chaos, "leases", "retry", lease_id).returncode == 0
         final = converge(rt, target, 90, lambda b: b.converged and not b.abandoned
-                         and b.real == 0 and not b.states[LeaseState.ACTIVE])
+                         and b.real == b.warm and not b.states[LeaseState.ACTIVE])
         print(json.dumps({"after_operator_retry": final.show(),
                           "total_s": round(time.monotonic() - started)}, indent=1))
         assert final.converged and not final.abandoned, (
             f"{final.show()}\n{histories(rt, final.suspects)}")
-        assert final.real == 0, f"resources left: {target.real_resources()}"
-        # Every record tells the truth once it has settled: the operator's invariant check.
-        checked = operator(chaos, "check", "--json")
-        assert checked.returncode == 0, f"invariants violated:\n{checked.stdout}{checked.stderr}"
+        assert final.real == final.warm, f"resources left: {target.real_resources()}"
+    # Beat stopped (no refill): the operator destroys the pools' warm members; nothing left.
+    if final.warm:
+        destroyed = operator(chaos, "leases", "destroy", "--state", "warm", "--yes")
+        assert destroyed.returncode == 0, destroyed.stdout + destroyed.stderr
+    empty = converge(rt, target, 60, lambda b: b.converged and b.real == 0)
+    assert empty.real == 0 and not empty.warm, f"resources left: {target.real_resources()}"
+    # Every record tells the truth once it has settled: the operator's invariant check.
+    checked = operator(chaos, "check", "--json")
+    assert checked.returncode == 0, f"invariants violated:\n{checked.stdout}{checked.stderr}"

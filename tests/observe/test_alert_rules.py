@@ -13,7 +13,7 @@ from tests.observe.prometheus import ALERTS, binary
 
 TESTS = sorted((ALERTS.parent / "tests").glob("*.yml"))
 REQUIRED = {"LeaseAbandoned", "CleanupBacklogGrowing", "SweepStalled", "OrphansFound",
-            "AcquireFailureRateHigh", "AcquireLatencyHigh", "NoWorker"}
+            "AcquireFailureRateHigh", "AcquireLatencyHigh", "NoWorker", "PoolBreakerOpen"}
 
 
 def rules() -> dict[str, dict[str, Any]]:

@@ -8,7 +8,7 @@ from sqlalchemy import create_engine, inspect
 from models.migrate import downgrade, upgrade
 from models.schema import Base
 
-TABLES = ("leases", "runs", "lease_events", "sweep_ticks", "provider_errors")
+TABLES = ("leases", "runs", "lease_events", "sweep_ticks", "provider_errors", "pools")
 
 
 def index_names(url: str) -> dict[str, set[str]]:
@@ -38,3 +38,42 @@ def test_head_has_the_declared_indexes_and_the_migrations_reverse(store_url: str
     upgrade(store_url)
     # then it is at head again
     assert index_names(store_url) == declared()
+
+
+def columns(url: str, table: str) -> set[str]:
+    engine = create_engine(url)
+    try:
+        return {c["name"] for c in inspect(engine).get_columns(table)}
+    finally:
+        engine.dispose()
+
+
+def test_the_warm_pools_migration_goes_down_and_up_keeping_leases(store_url: str) -> None:
+    from sqlalchemy import text
+
+    from models.schema import Pool
+
+    # given a lease written before warm pools existed
+    downgrade(store_url, "0004_errors10")
+    assert "pool" not in columns(store_url, "leases") and "pools" not in index_names(store_url)
+    engine = create_engine(store_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(
+                "INSERT INTO leases (lease_id, sandbox_key, live_key, provider, "
+                "provider_lease_id, provider_meta, state, reuse, tenant, spec, created_at, "
+                "updated_at, acquire_deadline_at, deadline_at, idle_timeout_s, "
+                "cleanup_attempts, version) VALUES ('old-1', 'k', 'k', 'local', 'lk-old-1', "
+                "'{}', 'active', false, 'default', '{}', '2026-01-01', '2026-01-01', "
+                "'2026-01-01', '2026-01-02', 60, 0, 1)"))
+        # when the store goes to head
+        upgrade(store_url)
+        # then the lease is there, in no pool, and the pools table is as declared
+        with engine.connect() as conn:
+            row = conn.execute(text("SELECT pool, claimed_at FROM leases "
+                                    "WHERE lease_id = 'old-1'")).one()
+    finally:
+        engine.dispose()
+    assert tuple(row) == (None, None)
+    assert columns(store_url, "pools") == set(Pool.__table__.columns.keys())
+    assert {"pool", "claimed_at"} <= columns(store_url, "leases")

@@ -58,7 +58,8 @@ def run_capturing(conn: Connection, history_url: str, call: Callable[[Store], ob
     captured: list[tuple[str, Any]] = []
 
     def capture(_conn: Any, _cursor: Any, statement: str, parameters: Any, *_: Any) -> None:
-        if statement.lstrip().upper().startswith(("SELECT", "UPDATE", "INSERT", "DELETE")):
+        if statement.lstrip().upper().startswith(("SELECT", "UPDATE", "INSERT", "DELETE",
+                                                  "WITH")):
             captured.append((statement, parameters))
 
     event.listen(conn.engine, "before_cursor_execute", capture)

@@ -14,7 +14,7 @@ from pathlib import Path
 from tests.stack import REPO
 
 SWEEP_INTERVALS = ("REAP_RUNS", "EXPIRE_LEASES", "RETRY_CLEANUP", "FINISH_EXITED",
-                   "STUCK_PROVISIONING", "ORPHANS")
+                   "STUCK_PROVISIONING", "ORPHANS", "FILL_POOLS")
 
 
 def beat_env(env: dict[str, str], interval_s: float) -> dict[str, str]:

@@ -49,6 +49,7 @@ ACTIONS: dict[str, tuple[OperatorAction, ...]] = {
     LeaseState.ABANDONED: (OperatorAction.RETRY, OperatorAction.FORGET),
     LeaseState.PENDING_CLEANUP: (OperatorAction.DESTROY,),
     LeaseState.ACTIVE: (OperatorAction.DESTROY,),
+    LeaseState.WARM: (OperatorAction.DESTROY,),
     LeaseState.PROVISIONING: (OperatorAction.DESTROY,),
 }
 TICKS_SHOWN = 5

@@ -18,10 +18,11 @@ from collections.abc import Callable, Iterable
 from datetime import datetime
 
 from prometheus_client import Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from models.observe import UNFINISHED_RUNS, Observe, TailedEvent
+from models.pool_store import MEMBER_STATES, BreakerState, PoolStore
 from models.schema import LeaseState, ProviderErrorClass, ReclaimOutcome, SweepTick, utcnow
 from providers.errors import LeasekeeperError
 from workers.beat import SWEEPS
@@ -35,6 +36,9 @@ _DURATION_BUCKETS_S = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 60
 # Acquire outcomes, by the state a provisioning lease moved to.
 _ACQUIRE_OUTCOME = {LeaseState.ACTIVE: "active", LeaseState.PENDING_CLEANUP: "failed",
                     LeaseState.ABANDONED: "failed", LeaseState.DESTROYING: "cancelled"}
+# A warm pool acquire's result: a claimed member became active, or a cold lease of a run
+# that asked the pool (empty, or no member resumable) did.
+CLAIMED, FALLBACK = "claimed", "fallback"
 # Destroy outcomes, by the state a destroying lease moved to.
 _DESTROY_OUTCOME = {LeaseState.DESTROYED: "destroyed", LeaseState.PENDING_CLEANUP: "failed",
                     LeaseState.ABANDONED: "abandoned"}
@@ -128,7 +132,14 @@ class LeaseCollector(Collector):
                 self.acquires.labels(provider, outcome)
             for outcome in sorted(set(_DESTROY_OUTCOME.values())):
                 self.destroys.labels(provider, outcome)
-        self._derived = [self.transitions, self.acquires, self.acquire_duration,
+        self.pool_claims = Counter(
+            "leasekeeper_pool_claims", "Acquires naming a warm pool that ended active, by "
+            "result: claimed (a warm member) or fallback (a cold start).",
+            ["pool", "result"], registry=None)
+        for pool in settings.pools:
+            for result in (CLAIMED, FALLBACK):
+                self.pool_claims.labels(pool.name, result)
+        self._derived = [self.pool_claims, self.transitions, self.acquires, self.acquire_duration,
                          self.destroys, self.destroy_duration, self.orphans,
                          self.not_resumable, self.reclaims, self.ticks, self.tick_outcomes,
                          self.tick_duration, self.provider_errors]
@@ -195,6 +206,45 @@ class LeaseCollector(Collector):
         for sweep, run, at in sorted(self.observe.last_ticks()):
             last.add_metric([sweep, run], utc_timestamp(at))
         yield last
+        yield from self._pool_gauges()
+
+    def _pool_gauges(self) -> Iterable[Metric]:
+        """Every declared pool and every pool with a breaker row (one removed while its
+        members drain): members by state, size, breaker, fill failures."""
+        pools = PoolStore(self.observe.store)
+        breakers = pools.breakers()
+        declared = {p.name: p for p in self.settings.pools}
+        names = sorted(set(declared) | set(breakers))
+        members = GaugeMetricFamily(
+            "leasekeeper_pool_members", "Unclaimed warm pool members that exist, by state "
+            "(provisioning, warm, pending_cleanup, destroying).", labels=["pool", "state"])
+        for name, counts in pools.member_counts(names).items():
+            for state in MEMBER_STATES:
+                members.add_metric([name, state], counts[state])
+        yield members
+        size = GaugeMetricFamily("leasekeeper_pool_size", "Each declared pool's size.",
+                                 labels=["pool"])
+        max_size = GaugeMetricFamily("leasekeeper_pool_max_size",
+                                     "Each declared pool's max_size.", labels=["pool"])
+        for name, pool in sorted(declared.items()):
+            size.add_metric([name], pool.size)
+            max_size.add_metric([name], pool.max_size)
+        yield size
+        yield max_size
+        now, threshold = utcnow(), self.settings.pool_breaker_threshold
+        open_ = GaugeMetricFamily(
+            "leasekeeper_pool_breaker_open", "1 while a pool's circuit breaker stops (open) "
+            "or limits to one probe (half open) its member creates.", labels=["pool"])
+        failures = CounterMetricFamily(
+            "leasekeeper_pool_fill_failures", "Pool members whose create failed (or that "
+            "never became ready), counted by their pool's breaker.", labels=["pool"])
+        for name in names:
+            breaker = breakers.get(name)
+            closed = breaker is None or breaker.state(threshold, now) == BreakerState.CLOSED
+            open_.add_metric([name], 0 if closed else 1)
+            failures.add_metric([name], breaker.failures_total if breaker else 0)
+        yield open_
+        yield failures
 
     # -- the logs, tailed ------------------------------------------------------------
     def _tail(self) -> None:
@@ -231,6 +281,9 @@ class LeaseCollector(Collector):
                 self.not_resumable.labels(e.provider, reason_class(e.reason)).inc()
             if e.from_state is None and e.to_state == LeaseState.PENDING_CLEANUP:
                 self.orphans.labels(e.provider).inc()
+            if (e.pool and e.from_state == LeaseState.PROVISIONING
+                    and e.to_state == LeaseState.ACTIVE):
+                self.pool_claims.labels(e.pool, CLAIMED if e.claimed_at else FALLBACK).inc()
             if e.from_state == LeaseState.PROVISIONING and e.to_state in _ACQUIRE_OUTCOME:
                 outcome = _ACQUIRE_OUTCOME[LeaseState(e.to_state)]
                 self.acquires.labels(e.provider, outcome).inc()

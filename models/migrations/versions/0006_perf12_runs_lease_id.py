@@ -1,7 +1,7 @@
 """runs by lease: the index every lease end uses to settle its runs
 
-Revision ID: 0005_perf12
-Revises: 0004_errors10
+Revision ID: 0006_perf12
+Revises: 0005_pools13
 
 A lease that ends aborts the runs still running on it, and a destroy that takes (or is
 undone) corrects their reclaim outcome: both find the runs by ``lease_id``, inside the
@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from alembic import op
 
-revision = '0005_perf12'
-down_revision = '0004_errors10'
+revision = '0006_perf12'
+down_revision = '0005_pools13'
 branch_labels = None
 depends_on = None
 
