@@ -50,6 +50,7 @@ from tests.cluster.pod_env import ConfigError, EnvResolver, container_command
 
 log = logging.getLogger(__name__)
 NODE_IP = "127.0.0.1"
+CONTAINER_SETUP_S = 10.0  # the longest a pod's namespace set-up may take before it runs
 
 
 def now() -> str:
@@ -350,20 +351,30 @@ class KubeletSim:
 
     def _launch(self, run: PodRun, pod: Obj | None = None) -> None:
         run.started_at = now()
+        env = run.envs[run.containers[0]]
+        ready_r, ready_w = os.pipe() if run.namespaced else (-1, subprocess.DEVNULL)
+        if run.namespaced:  # the wrapper says on its stdin when its mounts are in place
+            env = {**env, pod_namespaces.READY_ENV: "1"}
         try:
             with open(run.log_path, "ab") as out:
                 run.popen = subprocess.Popen(
-                    run.command, env=run.envs[run.containers[0]], cwd=run.cwd,
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                    start_new_session=True)
+                    run.command, env=env, cwd=run.cwd, stdin=ready_w, stdout=out,
+                    stderr=subprocess.STDOUT, start_new_session=True)
         except OSError as exc:
             run.popen = None
             self._patch(run, self._terminated_status(run, 128, "StartError", str(exc)))
             self._queue.put(("exited", (run.uid, 128)))
             return
+        finally:
+            if run.namespaced:
+                os.close(ready_w)
         popen = run.popen
         threading.Thread(target=lambda: self._queue.put(("exited", (run.uid, popen.wait()))),
                          name=f"wait-{run.name}", daemon=True).start()
+        # Running only once the container's command runs with its volumes mounted, as a
+        # kubelet reports it; a wrapper that failed exits, and its exit is reported instead.
+        if run.namespaced and not pod_namespaces.await_ready(ready_r, CONTAINER_SETUP_S):
+            return
         self._patch(run, self._running_status(run))
 
     def _on_exit(self, payload: tuple[str, int]) -> None:

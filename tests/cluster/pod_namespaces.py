@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import base64
 import os
+import select
 import shlex
 import shutil
 from collections.abc import Sequence
@@ -34,6 +35,11 @@ Obj = dict[str, Any]
 RUN_DIR = Path("/var/run").resolve()
 TOKEN_DIR = RUN_DIR / "secrets" / "kubernetes.io" / "serviceaccount"
 TOKEN_TYPE = "kubernetes.io/service-account-token"
+# With this variable set, the wrapper's stdin is a pipe to the simulator: it writes "ready"
+# there once the pod's mounts are in place, then gives the pod's command /dev/null as stdin
+# (and an environment without the variable). dash takes only one-digit descriptors in
+# redirections, so the pipe comes in as descriptor 0.
+READY_ENV = "LK_SIM_READY_ON_STDIN"
 
 
 def service_account(pod_spec: Obj) -> str | None:
@@ -121,10 +127,22 @@ def wrap(command: list[str], pod_dir: Path, hostname: str, mounts: Sequence[Moun
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         raise ConfigError("a pod's own namespaces (a ServiceAccount token, volumes) need root "
                           "and unshare (util-linux)")
+    ready = (f'if [ -n "${{{READY_ENV}:-}}" ]; then unset {READY_ENV}; printf ready >&0; '
+             "exec </dev/null; fi")
     script = "\n".join(["set -e", *_setup_script(pod_dir, mounts), 'hostname "$1"', "shift",
-                        'exec "$@"'])
+                        ready, 'exec "$@"'])
     return ["unshare", "--mount", "--uts", "--propagation", "private", "--",
             "sh", "-c", script, "sh", hostname, *command]
+
+
+def await_ready(fd: int, timeout_s: float) -> bool:
+    """Whether the wrapper reported its set-up done on ``fd`` within ``timeout_s`` (False: it
+    failed, closing the pipe without a word, or is stuck). Closes ``fd``."""
+    try:
+        readable, _, _ = select.select([fd], [], [], timeout_s)
+        return bool(readable) and os.read(fd, 16) == b"ready"
+    finally:
+        os.close(fd)
 
 
 def enter(pid: int, command: list[str]) -> list[str]:

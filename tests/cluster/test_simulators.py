@@ -17,7 +17,7 @@ import pytest
 from kubernetes import client
 from kubernetes.stream import stream
 
-from tests.cluster.k8s_json import body
+from tests.cluster.k8s_json import body, exec_core
 from tests.cluster.kubelet_sim import KubeletSim
 from tests.cluster.sandbox_controller import GROUP, PLURAL, SandboxController
 from tests.cluster.waits import condition_is, gone, pod_phase_in, wait_for_object, wait_for_pod
@@ -150,7 +150,7 @@ def test_exec_with_stdin(kube_api: client.ApiClient, kubelet_sim: KubeletSim | N
         "metadata": {"name": "cat"},
         "spec": {"containers": [{"name": "main", "image": "sim"}]}}))
     wait_for_pod(core, k8s_namespace, "cat", condition_is("Ready"))
-    resp = stream(core.connect_get_namespaced_pod_exec, "cat", k8s_namespace,
+    resp = stream(exec_core(kube_api).connect_get_namespaced_pod_exec, "cat", k8s_namespace,
                   command=["sh", "-c", "read line; echo got:$line"], stdin=True, stdout=True,
                   stderr=True, tty=False, _preload_content=False)
     resp.write_stdin("ping\n")
@@ -196,7 +196,8 @@ def test_a_service_account_pod_reaches_the_api_with_its_in_cluster_token(
 def _exec(core: client.CoreV1Api, namespace: str, pod: str, command: list[str],
           stdin: str | None = None) -> tuple[int | None, str, str]:
     """(exit code, stdout, stderr) of an exec through the API server."""
-    resp = stream(core.connect_get_namespaced_pod_exec, pod, namespace, command=command,
+    resp = stream(exec_core(core.api_client).connect_get_namespaced_pod_exec, pod, namespace,
+                  command=command,
                   stdin=stdin is not None, stdout=True, stderr=True, tty=False,
                   _preload_content=False)
     if stdin is not None:
@@ -295,3 +296,18 @@ def test_a_volume_kind_that_is_not_simulated_is_refused_not_ignored(
             "not simulated" in waiting.get("message", "")
 
     wait_for_pod(core, k8s_namespace, "vol-cm", refused)
+
+
+def test_a_pod_is_running_only_once_its_volumes_are_mounted(
+        kube_api: client.ApiClient, kubelet_sim: KubeletSim | None, k8s_namespace: str) -> None:
+    # as a kubelet reports a container running only once its mounts are in place, an exec
+    # the moment a pod is Running already sees its volume (the set-up runs before Running)
+    core = client.CoreV1Api(kube_api)
+    names = [f"vol-ready-{i}" for i in range(4)]
+    for name in names:
+        core.create_namespaced_pod(k8s_namespace, body(_volume_pod(
+            name, ["sleep", "300"], TMPFS, AT_RUN)))
+    for name in names:
+        wait_for_pod(core, k8s_namespace, name, pod_phase_in("Running"))
+        code, _, err = _exec(core, k8s_namespace, name, ["sh", "-c", f"mountpoint -q {RUN}"])
+        assert code == 0, (name, err)

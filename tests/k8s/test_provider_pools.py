@@ -43,6 +43,7 @@ from providers.kubernetes.manifests import (
     build_secret,
 )
 from providers.spec import SandboxSpec
+from tests.cluster.k8s_json import exec_core
 from tests.cluster.kubelet_sim import KubeletSim
 from tests.cluster.waits import condition_is, gone
 from tests.k8s.conftest import GROUP, PLURAL, KubeEnv
@@ -90,7 +91,7 @@ def member(kenv: KubeEnv, backend: str, **kw: Any) -> tuple[AcquireRequest, Leas
 def in_pod(kenv: KubeEnv, pod: str, script: str) -> str:
     """stdout of ``sh -c script`` exec'd in the pod's sandbox container (admin client);
     fails on a non-zero exit."""
-    resp = stream(kenv.core.connect_get_namespaced_pod_exec, pod, kenv.namespace,
+    resp = stream(exec_core(kenv.admin).connect_get_namespaced_pod_exec, pod, kenv.namespace,
                   container="sandbox", command=["sh", "-c", script], stdin=False, stdout=True,
                   stderr=True, tty=False, _preload_content=False)
     resp.run_forever(timeout=30)
