@@ -3,14 +3,17 @@ with the data on stdin. Pure: the script, its (constant) command line and the st
 are built here; client.py runs the exec, provider.py decides.
 
 The command line is the same for every claim (``sh -c <DELIVERY_SCRIPT>``): the API server
-and its audit log see it, so it carries no data at all, not even sizes. stdin carries a
-header line with the three section sizes, then ``run.json`` (run id, lease id, tenant,
-labels: no secrets), ``env`` (``KEY='value'`` lines, sh-quoted: ``env`` then ``secret_env``,
-so a secret wins over a plain variable of the same name) and ``claimed`` (the run id). The
-script reads exactly that many bytes (the v4 exec protocol has no end-of-input signal),
-checks the count, and moves each file into ``$LEASEKEEPER_RUN_DIR`` by an atomic rename under
-``umask 077``, ``claimed`` last: a sandbox waiting for ``claimed`` finds the others complete.
-A repeated claim rewrites the same files (each rename replaces the previous one whole).
+and its audit log see it, so it carries no data at all, not even sizes. stdin carries three
+lines, then the rest: the size of ``env`` in bytes; ``run.json`` (one line of JSON: run id,
+lease id, tenant, labels; no secrets); the run id (the content of ``claimed``); then ``env``
+(``KEY='value'`` lines, sh-quoted: ``env`` then ``secret_env``, so a secret wins over a
+plain variable of the same name). The lines are read by the shell's own ``read`` (which on
+a pipe never reads past its newline), ``env`` by ``head -c`` and its size checked: the v4
+exec protocol has no end-of-input signal, and a cut connection must not leave a short file.
+Each file is moved into ``$LEASEKEEPER_RUN_DIR`` by an atomic rename under ``umask 077``,
+``claimed`` last: a sandbox waiting for ``claimed`` finds the others complete. A repeated
+claim rewrites the same files (each rename replaces the previous one whole). Six processes
+in all (sh, head, wc, three mv): each costs milliseconds on a busy node.
 
 The sandbox's side (README: "Warm pools on Kubernetes"): wait for
 ``$LEASEKEEPER_RUN_DIR/claimed``, then ``. "$LEASEKEEPER_RUN_DIR/env"``.
@@ -33,7 +36,7 @@ ENV_FILE = "env"
 CLAIMED_FILE = "claimed"
 
 # Exit codes of the script itself; anything else comes from a tool it runs (sh: 126 / 127
-# when a command cannot run; head, tail, mv: 1, e.g. a full run directory).
+# when a command cannot run; head, wc, mv: 1, e.g. a full run directory).
 EXIT_NO_RUN_DIR = 3
 EXIT_SHORT_INPUT = 4
 EXIT_BAD_HEADER = 5
@@ -45,28 +48,27 @@ if [ -z "$dir" ] || [ ! -d "$dir" ]; then
   echo "no run directory ({RUN_DIR_ENV}=${{dir:-unset}}): not a pool member's container" >&2
   exit {EXIT_NO_RUN_DIR}
 fi
-if ! IFS=' ' read -r n_run n_env n_claimed; then
-  echo "input ended before the delivery header" >&2
+if ! IFS= read -r n_env || ! IFS= read -r run_json || ! IFS= read -r run_id; then
+  echo "input ended before the delivery's header" >&2
   exit {EXIT_SHORT_INPUT}
 fi
-case "$n_run:$n_env:$n_claimed" in
-  *[!0-9:]*|:*|*::*|*:) echo "malformed delivery header" >&2; exit {EXIT_BAD_HEADER} ;;
+case "$n_env" in
+  ''|*[!0-9]*) echo "malformed delivery header" >&2; exit {EXIT_BAD_HEADER} ;;
 esac
-total=$((n_run + n_env + n_claimed))
 tmp="$dir/.claim.$$"
-trap 'rm -f "$tmp" "$tmp.run" "$tmp.env" "$tmp.claimed"' EXIT
-head -c "$total" > "$tmp"
-got=$(wc -c < "$tmp")
-if [ "$((got))" -ne "$total" ]; then
-  echo "input ended after $((got)) of $total bytes" >&2
+trap 'rm -f "$tmp.run" "$tmp.env" "$tmp.claimed"' EXIT
+head -c "$n_env" > "$tmp.env"
+got=$(wc -c < "$tmp.env")
+if [ "$((got))" -ne "$n_env" ]; then
+  echo "input ended after $((got)) of $n_env bytes of env" >&2
   exit {EXIT_SHORT_INPUT}
 fi
-head -c "$n_run" "$tmp" > "$tmp.run"
-tail -c +"$((n_run + 1))" "$tmp" | head -c "$n_env" > "$tmp.env"
-tail -c +"$((n_run + n_env + 1))" "$tmp" > "$tmp.claimed"
+printf '%s\\n' "$run_json" > "$tmp.run"
+printf '%s\\n' "$run_id" > "$tmp.claimed"
 mv -f "$tmp.run" "$dir/{RUN_JSON}"
 mv -f "$tmp.env" "$dir/{ENV_FILE}"
 mv -f "$tmp.claimed" "$dir/{CLAIMED_FILE}"
+trap - EXIT
 """
 DELIVERY_COMMAND: tuple[str, ...] = ("sh", "-c", DELIVERY_SCRIPT)
 
@@ -80,14 +82,15 @@ DELIVERY_EXITS: Mapping[int, CommandExit] = MappingProxyType({
     EXIT_BAD_HEADER: CommandExit(False, "the delivery's header was garbled; this is a "
                                         "leasekeeper bug"),
     126: CommandExit(False, "the pool's image cannot run the delivery: it needs sh, head, "
-                            "tail, wc and mv"),
+                            "wc and mv"),
     127: CommandExit(False, "the pool's image cannot run the delivery: it needs sh, head, "
-                            "tail, wc and mv"),
+                            "wc and mv"),
 })
 DELIVERY_FAILED_HINT = ("the delivery script failed in the pod (is the run directory full? "
                         "its sizeLimit is in manifests.RUN_DIR_SIZE_LIMIT)")
 
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")  # providers.spec.ID_PATTERN
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ def _env_lines(kind: str, env: Mapping[str, str]) -> str:
 
 
 def run_json(request: ClaimRequest) -> bytes:
-    """What the sandbox may know about its run; no secrets."""
+    """What the sandbox may know about its run, as one line of JSON; no secrets."""
     return (json.dumps({"run_id": request.run_id, "lease_id": request.lease_id,
                         "tenant": request.tenant, "labels": dict(request.labels)},
                        sort_keys=True) + "\n").encode()
@@ -131,7 +134,9 @@ def env_file(request: ClaimRequest) -> bytes:
 
 
 def build_delivery(request: ClaimRequest) -> Delivery:
-    sections = (run_json(request), env_file(request), f"{request.run_id}\n".encode())
-    header = " ".join(str(len(section)) for section in sections).encode() + b"\n"
-    return Delivery(DELIVERY_COMMAND, header + b"".join(sections),
-                    tuple(v for v in request.secret_env.values() if v))
+    if not _RUN_ID.match(request.run_id):
+        raise InvalidRequest(f"claim: run id {request.run_id[:40]!r} is not a run id "
+                             "(letters, digits, '.', '_', ':' or '-')")
+    env = env_file(request)
+    stdin = f"{len(env)}\n".encode() + run_json(request) + f"{request.run_id}\n".encode() + env
+    return Delivery(DELIVERY_COMMAND, stdin, tuple(v for v in request.secret_env.values() if v))

@@ -273,3 +273,8 @@ def kube_errors(action: str, *, sensitive: bool = False, permission: Permission 
             f"kubernetes: {action} failed: TLS to the API server failed "
             f"({type(exc).__name__}); the task retries with backoff"
         ) from None
+    except OSError as exc:  # a WebSocket's own connect: name resolution, unreachable network
+        raise TransientProviderError(
+            f"kubernetes: {action} failed: {type(exc).__name__} reaching the API server; "
+            "the task retries with backoff"
+        ) from None

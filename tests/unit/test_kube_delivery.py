@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import stat
 import subprocess
 from pathlib import Path
@@ -51,13 +52,26 @@ def claim(**overrides: object) -> ClaimRequest:
     return ClaimRequest(**fields)  # type: ignore[arg-type]
 
 
-def deliver(run_dir: Path | None, stdin: bytes) -> subprocess.CompletedProcess[bytes]:
-    """The delivery as an exec runs it: the same argv, the data on stdin."""
+# An image's sh is dash (Debian), bash or busybox ash: the delivery runs under each there is.
+SHELLS = [shell for shell in ("sh", "dash", "bash", "busybox") if shutil.which(shell)]
+
+
+@pytest.fixture(params=SHELLS)
+def shell(request: pytest.FixtureRequest) -> list[str]:
+    return ["busybox", "sh"] if request.param == "busybox" else [request.param]
+
+
+def deliver(run_dir: Path | None, stdin: bytes,
+            shell: list[str] | None = None) -> subprocess.CompletedProcess[bytes]:
+    """The delivery as an exec runs it: the same argv (under ``shell``), data on stdin."""
     env = {"PATH": os.environ["PATH"]}
     if run_dir is not None:
         env[RUN_DIR_ENV] = str(run_dir)
-    return subprocess.run(list(DELIVERY_COMMAND), input=stdin, env=env, capture_output=True,
-                          check=False, timeout=20)
+    argv = list(DELIVERY_COMMAND)
+    if shell is not None:
+        argv[0:1] = shell
+    return subprocess.run(argv, input=stdin, env=env, capture_output=True, check=False,
+                          timeout=20)
 
 
 def sourced(run_dir: Path, names: list[str]) -> list[str]:
@@ -79,14 +93,14 @@ def test_the_command_line_carries_no_data() -> None:
 
 
 def test_the_delivery_writes_run_json_env_and_claimed_readable_by_the_sandbox(
-        tmp_path: Path) -> None:
+        tmp_path: Path, shell: list[str]) -> None:
     # given a run directory and a claim whose values need quoting
     env = {f"PLAIN_{i}": value for i, value in enumerate(TRICKY)}
     secret_env = {f"SECRET_{i}": value for i, value in enumerate(TRICKY)}
     request = claim(env={**env, "SHARED": "plain"}, secret_env={**secret_env,
                                                                 "SHARED": "from-secret"})
     # when the delivery runs with its stdin
-    done = deliver(tmp_path, build_delivery(request).stdin)
+    done = deliver(tmp_path, build_delivery(request).stdin, shell)
     # then it succeeded, and wrote exactly the three files, owner-only
     assert done.returncode == 0, done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["claimed", "env", "run.json"]
@@ -102,18 +116,20 @@ def test_the_delivery_writes_run_json_env_and_claimed_readable_by_the_sandbox(
 
 
 def test_a_repeated_delivery_rewrites_the_same_files_and_leaves_nothing_else(
-        tmp_path: Path) -> None:
+        tmp_path: Path, shell: list[str]) -> None:
     stdin = build_delivery(claim()).stdin
-    assert deliver(tmp_path, stdin).returncode == 0
+    assert deliver(tmp_path, stdin, shell).returncode == 0
     first = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
-    assert deliver(tmp_path, stdin).returncode == 0
+    assert deliver(tmp_path, stdin, shell).returncode == 0
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == first
 
 
-def test_input_cut_short_is_refused_before_any_file_changes(tmp_path: Path) -> None:
+def test_input_cut_short_is_refused_before_any_file_changes(tmp_path: Path,
+                                                             shell: list[str]) -> None:
     stdin = build_delivery(claim()).stdin
-    for cut in (stdin[:-1], stdin[:3], b""):
-        done = deliver(tmp_path, cut)
+    header = stdin.index(b"\n", stdin.index(b"\n", stdin.index(b"\n") + 1) + 1) + 1
+    for cut in (stdin[:-1], stdin[:header], stdin[:header - 1], stdin[:3], b""):
+        done = deliver(tmp_path, cut, shell)
         assert done.returncode == EXIT_SHORT_INPUT, done.stderr
         assert list(tmp_path.iterdir()) == []  # no temporary file left either
     assert DELIVERY_EXITS[EXIT_SHORT_INPUT].transient
@@ -136,6 +152,18 @@ def test_names_and_values_no_shell_can_hold_are_refused(env: dict[str, str],
     with pytest.raises(InvalidRequest) as info:
         build_delivery(claim(env=env, secret_env=secret_env))
     assert "a\0b" not in str(info.value)
+
+
+@pytest.mark.parametrize("run_id", ["", "two words", "line\nbreak", "-lead"])
+def test_a_run_id_that_is_no_run_id_is_refused(run_id: str) -> None:
+    with pytest.raises(InvalidRequest, match="is not a run id"):
+        build_delivery(claim(run_id=run_id))
+
+
+def test_labels_and_tenant_with_any_characters_stay_one_json_line(tmp_path: Path) -> None:
+    request = claim(labels={"note": "two\nlines \\ and 'quotes' %s", "é": "☃"})
+    assert deliver(tmp_path, build_delivery(request).stdin).returncode == 0
+    assert json.loads((tmp_path / "run.json").read_text())["labels"] == dict(request.labels)
 
 
 def test_sh_quote() -> None:
