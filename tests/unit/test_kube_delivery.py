@@ -8,15 +8,23 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import stat
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import websocket
 from kubernetes.client.exceptions import ApiException
 
 from providers.base import RUN_DIR_ENV, ClaimRequest
-from providers.errors import InvalidRequest, TerminalProviderError, is_transient
+from providers.errors import (
+    InvalidRequest,
+    TerminalProviderError,
+    TransientProviderError,
+    is_transient,
+)
 from providers.kubernetes.delivery import (
     DELIVERY_COMMAND,
     DELIVERY_EXITS,
@@ -31,6 +39,7 @@ from providers.kubernetes.errors import (
     KubeCommandInterrupted,
     Permission,
     command_exit_error,
+    kube_errors,
     scrub,
     translate_api_exception,
     translate_status,
@@ -52,24 +61,35 @@ def claim(**overrides: object) -> ClaimRequest:
     return ClaimRequest(**fields)  # type: ignore[arg-type]
 
 
-# An image's sh is dash (Debian), bash or busybox ash: the delivery runs under each there is.
-SHELLS = [shell for shell in ("sh", "dash", "bash", "busybox") if shutil.which(shell)]
+# An image's sh is dash (Debian), bash, or busybox (Alpine, with busybox's head, wc and mv
+# too): the delivery runs under each this machine has.
+SHELLS = [shell for shell in ("sh", "bash", "busybox") if shutil.which(shell)]
+
+
+@dataclass(frozen=True)
+class Shell:
+    argv0: str
+    path: str  # PATH: where head, wc and mv come from
 
 
 @pytest.fixture(params=SHELLS)
-def shell(request: pytest.FixtureRequest) -> list[str]:
-    return ["busybox", "sh"] if request.param == "busybox" else [request.param]
+def shell(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Shell:
+    if request.param != "busybox":
+        return Shell(request.param, os.environ["PATH"])
+    applets = tmp_path_factory.mktemp("busybox")
+    for tool in ("sh", "head", "wc", "mv", "rm"):
+        (applets / tool).symlink_to(shutil.which("busybox") or "busybox")
+    return Shell(str(applets / "sh"), str(applets))
 
 
 def deliver(run_dir: Path | None, stdin: bytes,
-            shell: list[str] | None = None) -> subprocess.CompletedProcess[bytes]:
+            shell: Shell | None = None) -> subprocess.CompletedProcess[bytes]:
     """The delivery as an exec runs it: the same argv (under ``shell``), data on stdin."""
-    env = {"PATH": os.environ["PATH"]}
+    shell = shell or Shell("sh", os.environ["PATH"])
+    env = {"PATH": shell.path}
     if run_dir is not None:
         env[RUN_DIR_ENV] = str(run_dir)
-    argv = list(DELIVERY_COMMAND)
-    if shell is not None:
-        argv[0:1] = shell
+    argv = [shell.argv0, *DELIVERY_COMMAND[1:]]
     return subprocess.run(argv, input=stdin, env=env, capture_output=True, check=False,
                           timeout=20)
 
@@ -93,7 +113,7 @@ def test_the_command_line_carries_no_data() -> None:
 
 
 def test_the_delivery_writes_run_json_env_and_claimed_readable_by_the_sandbox(
-        tmp_path: Path, shell: list[str]) -> None:
+        tmp_path: Path, shell: Shell) -> None:
     # given a run directory and a claim whose values need quoting
     env = {f"PLAIN_{i}": value for i, value in enumerate(TRICKY)}
     secret_env = {f"SECRET_{i}": value for i, value in enumerate(TRICKY)}
@@ -116,7 +136,7 @@ def test_the_delivery_writes_run_json_env_and_claimed_readable_by_the_sandbox(
 
 
 def test_a_repeated_delivery_rewrites_the_same_files_and_leaves_nothing_else(
-        tmp_path: Path, shell: list[str]) -> None:
+        tmp_path: Path, shell: Shell) -> None:
     stdin = build_delivery(claim()).stdin
     assert deliver(tmp_path, stdin, shell).returncode == 0
     first = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
@@ -125,7 +145,7 @@ def test_a_repeated_delivery_rewrites_the_same_files_and_leaves_nothing_else(
 
 
 def test_input_cut_short_is_refused_before_any_file_changes(tmp_path: Path,
-                                                             shell: list[str]) -> None:
+                                                             shell: Shell) -> None:
     stdin = build_delivery(claim()).stdin
     header = stdin.index(b"\n", stdin.index(b"\n", stdin.index(b"\n") + 1) + 1) + 1
     for cut in (stdin[:-1], stdin[:header], stdin[:header - 1], stdin[:3], b""):
@@ -227,3 +247,14 @@ def test_a_failure_status_on_the_exec_channel_is_classified_by_its_code() -> Non
     assert is_transient(error) and error.status == 500
     assert "container not running" in str(error)
     assert not is_transient(translate_status("exec", {"status": "Failure", "code": 400}))
+
+
+@pytest.mark.parametrize("raised", [
+    socket.gaierror(-2, "Name or service not known"), ConnectionRefusedError(111, "refused"),
+    websocket.WebSocketConnectionClosedException("socket is already closed."),
+    websocket.WebSocketTimeoutException("timed out"), TimeoutError("timed out"),
+])
+def test_an_exec_streams_transport_failures_are_transient(raised: BaseException) -> None:
+    with pytest.raises(TransientProviderError) as info, kube_errors("exec into Pod ns/p"):
+        raise raised
+    assert str(info.value).startswith("kubernetes: exec into Pod ns/p failed")
