@@ -171,6 +171,9 @@ def test_a_pool_member_has_its_run_directory_and_label_and_no_run_secret(
     # and inside the pod it is an empty tmpfs, there before anything is claimed
     assert in_pod(kenv, pod["metadata"]["name"],
                   f'stat -f -c %T "${RUN_DIR_ENV}"; ls -A "${RUN_DIR_ENV}"') == "tmpfs\n"
+    # and the orphan sweep's listing says which pool it belongs to
+    listed = {r.name: r for r in kenv.provider.list_managed()}
+    assert listed[request.name].meta["pool"] == POOL
 
 
 def test_a_pool_member_with_a_secret_env_is_refused_before_anything_exists(
