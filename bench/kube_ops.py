@@ -17,8 +17,12 @@ Sandbox controller simulators, all on loopback) and:
   Medians over ``--runs`` runs (after one warm-up); the ratios divide by the Sandbox-watch
   baseline, the earliest moment anyone can know the Sandbox is Ready. All in one process
   with the simulators, on a 2-core machine: expect tens of milliseconds of scheduling noise.
+- claim (warm pools, both backends): ``provider.claim`` of a warm pool member, direct to the
+  API server (its two reads and the exec that delivers the run's data on stdin), repeated
+  ``--claims`` times on one member (a claim is idempotent), against a bare exec of ``true``
+  through the same API server (the floor of any exec); its API requests are counted above.
 
-    python bench/kube_ops.py [--runs 9] [--no-worker]
+    python bench/kube_ops.py [--runs 9] [--claims 20] [--no-worker]
 """
 
 from __future__ import annotations
@@ -48,6 +52,7 @@ Obj = dict[str, Any]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=9)
+    parser.add_argument("--claims", type=int, default=20)
     parser.add_argument("--no-worker", action="store_true",
                         help="skip the through-Celery latency (no Redis, no worker)")
     args = parser.parse_args()
@@ -61,6 +66,7 @@ def main() -> None:
     with ExitStack() as stack:
         env = stack.enter_context(Harness(work))
         requests = count_requests(env, runs=3)
+        claims = measure_claims(env, args.claims)
         latency = measure_latency(env, args.runs, None if args.no_worker else
                                   lambda: stack.enter_context(Worker(env, work, redis_port)))
     print(json.dumps({
@@ -69,6 +75,7 @@ def main() -> None:
                    "kubelet and Sandbox controller simulators, loopback",
         "api_requests_per_operation": requests,
         "ready_latency": latency,
+        "claim_latency": claims,
     }, indent=2))
 
 
@@ -119,7 +126,7 @@ class Harness:
         self.stack.callback(provider.api.api_client.close)
         return provider
 
-    def request(self, backend: str = "sandbox-cr") -> Any:
+    def request(self, backend: str = "sandbox-cr", pool: str | None = None) -> Any:
         from providers.base import AcquireRequest
         from providers.spec import SandboxSpec
 
@@ -127,9 +134,9 @@ class Harness:
         spec = SandboxSpec(tenant="bench", backend=backend,
                            command=["sh", "-c", "while :; do sleep 1; done"]
                            if backend == "job" else None)
+        labels = {} if pool else {"leasekeeper.dev/run-id": lease_id}
         return AcquireRequest(lease_id=lease_id, name=self.counted.lease_name(lease_id),
-                              spec=spec, labels={"leasekeeper.dev/run-id": lease_id},
-                              timeout_s=60)
+                              spec=spec, labels=labels, timeout_s=60, pool=pool)
 
     @staticmethod
     def handle(request: Any, meta: Obj) -> Any:
@@ -245,8 +252,72 @@ def count_requests(env: Harness, runs: int) -> dict[str, Any]:
                               lambda h=handle: provider.resume_check(h, 10))
             assert checked.outcome is ResumeOutcome.RESUMABLE, checked
             counted(f"{backend} destroy", lambda h=handle: provider.destroy(h))
+            member = env.request(backend, pool="bench")
+            acquired = counted(f"{backend} acquire (pool member)",
+                               lambda r=member: provider.acquire(r))
+            handle = env.handle(member, acquired.meta)
+            claimed = counted(f"{backend} claim", lambda h=handle, r=member: provider.claim(
+                h, claim_request(r.lease_id)))
+            assert claimed.outcome.value == "claimed", claimed
+            provider.destroy(handle)
         counted("list_managed", provider.list_managed)
     return {label: _summary(values) for label, values in samples.items()}
+
+
+def claim_request(lease_id: str) -> Any:
+    from providers.base import ClaimRequest
+
+    return ClaimRequest(lease_id=lease_id, run_id=f"run-{lease_id}", tenant="bench",
+                        labels={"team": "bench"}, env={"GREETING": "hello", "MODE": "bench"},
+                        secret_env={"API_KEY": "bench-secret-" + "x" * 32})
+
+
+def measure_claims(env: Harness, claims: int) -> dict[str, Any]:
+    """provider.claim of one warm member per backend, ``claims`` times (after a warm-up),
+    and a bare ``true`` exec through the same API server, in milliseconds."""
+    from kubernetes import client
+    from kubernetes.stream import stream
+
+    # its own ApiClient: stream() swaps call_api on the one it is given, and the kubelet
+    # simulator's threads use env.admin
+    core = client.CoreV1Api(client.ApiClient(env.admin.configuration))
+
+    def bare_exec(pod: str) -> float:
+        started = time.perf_counter()
+        resp = stream(core.connect_get_namespaced_pod_exec, pod, env.namespace,
+                      container="sandbox", command=["true"], stdin=False, stdout=True,
+                      stderr=True, tty=False, _preload_content=False)
+        resp.run_forever(timeout=30)
+        assert resp.returncode == 0
+        return time.perf_counter() - started
+
+    results: dict[str, Any] = {"claims": claims}
+    for backend in ("sandbox-cr", "job"):
+        member = env.request(backend, pool="bench")
+        acquired = env.direct.acquire(member)
+        handle = env.handle(member, acquired.meta)
+        claim = claim_request(member.lease_id)
+        series: dict[str, list[float]] = {"provider_claim": [], "bare_exec_true": []}
+        for run in range(claims + 1):
+            started = time.perf_counter()
+            claimed = env.direct.claim(handle, claim)
+            elapsed = time.perf_counter() - started
+            assert claimed.outcome.value == "claimed", claimed
+            bare = bare_exec(acquired.meta["pod_name"])
+            if run:  # the first is a warm-up
+                series["provider_claim"].append(elapsed)
+                series["bare_exec_true"].append(bare)
+        env.direct.destroy(handle)
+        medians = {k: round(statistics.median(v) * 1000, 1) for k, v in series.items()}
+        results[backend] = {
+            "median_ms": medians,
+            "p90_ms": {k: round(statistics.quantiles(v, n=10)[-1] * 1000, 1)
+                       for k, v in series.items()},
+            "ratio_to_bare_exec": round(medians["provider_claim"] / medians["bare_exec_true"],
+                                        2),
+            "samples_ms": {k: [round(x * 1000, 1) for x in v] for k, v in series.items()},
+        }
+    return results
 
 
 def wait_job_active(env: Harness, name: str, timeout_s: float = 30.0) -> None:

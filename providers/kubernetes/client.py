@@ -7,25 +7,47 @@ returns plain JSON dicts exactly as the server sent them (camelCase), and runs i
 one translation boundary (errors.kube_errors), so callers only ever see ProviderErrors.
 Secrets are read and listed as metadata only: their data never enters this process.
 Tests inject their own ``ApiClient`` (``KubeApi(api_client, ...)``); nothing is patched.
+
+``exec_with_stdin`` runs a command in a container through the official client's ``stream``
+(WebSocket ``pods/exec``), its input on stdin, under one monotonic deadline. The client's
+WebSocket connect has no timeout of its own, so it runs in a helper thread the call stops
+waiting for at the deadline (a connection that arrives later is closed at once). ``stream``
+swaps ``call_api`` on the ApiClient it is given for the duration of the call, so every exec
+gets a fresh ApiClient of the same configuration, never the one the REST calls share.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import TYPE_CHECKING, Any
 
 import urllib3
+import websocket
 from kubernetes import config as kube_config
 from kubernetes import watch as kube_watch
 from kubernetes.client import ApiClient, BatchV1Api, Configuration, CoreV1Api, CustomObjectsApi
+from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
+from kubernetes.stream import stream as kube_stream
+from kubernetes.stream.ws_client import ERROR_CHANNEL, STDERR_CHANNEL, STDOUT_CHANNEL, WSClient
 
-from providers.errors import ConfigError
-from providers.kubernetes.errors import Permission, kube_errors
+from providers.errors import ConfigError, TransientProviderError
+from providers.kubernetes.errors import (
+    CommandExit,
+    Permission,
+    command_exit_error,
+    kube_errors,
+    scrub,
+    translate_status,
+)
 from providers.kubernetes.manifests import SANDBOX_GROUP, SANDBOX_PLURAL, Backend, Manifest
+from providers.kubernetes.status import ExecEnd, exec_status
 
 if TYPE_CHECKING:
     from workers.settings import Settings
@@ -74,6 +96,66 @@ def build_api_client(settings: Settings) -> ApiClient:
 class WatchEvent:
     type: str  # ADDED | MODIFIED | DELETED | BOOKMARK
     obj: Obj
+
+
+@dataclass(frozen=True)
+class PodList:
+    items: list[Obj]
+    resource_version: str | None  # of the list: a watch from here misses nothing
+
+
+@dataclass(frozen=True)
+class ExecOutput:
+    """What a command that exited 0 printed (secret values scrubbed)."""
+
+    stdout: str
+    stderr: str
+
+
+class _ExecStream:
+    """The typed face of the client's (untyped) ``WSClient``: the few calls exec makes."""
+
+    def __init__(self, ws: WSClient) -> None:
+        self.ws = ws
+
+    def settimeout(self, seconds: float) -> None:
+        self.ws.sock.settimeout(seconds)
+
+    def send_stdin(self, data: bytes) -> None:
+        self.ws.write_stdin(data)  # type: ignore[no-untyped-call]
+
+    def is_open(self) -> bool:
+        return bool(self.ws.is_open())  # type: ignore[no-untyped-call]
+
+    def pump(self, timeout_s: float) -> None:
+        """Buffer every frame that arrives within ``timeout_s``."""
+        self.ws.update(timeout=timeout_s)  # type: ignore[no-untyped-call]
+
+    def channel(self, number: int) -> str:
+        data = self.ws.read_channel(number, timeout=0)  # type: ignore[no-untyped-call]
+        return data.decode("utf-8", "replace") if isinstance(data, bytes) else str(data or "")
+
+    def close(self) -> None:
+        self.ws.close()  # type: ignore[no-untyped-call]
+
+
+def _handshake_error(exc: BaseException) -> BaseException:
+    """What really failed when ``stream`` raised: it wraps every connect failure in an
+    ``ApiException`` with status 0, the HTTP answer (a 403, a 404, a 500) or the socket
+    error only in its context. Give the translation boundary the real thing."""
+    if not isinstance(exc, ApiException) or exc.status:
+        return exc
+    cause = exc.__context__
+    if isinstance(cause, websocket.WebSocketBadStatusException):
+        code = int(cause.status_code)
+        try:
+            phrase = HTTPStatus(code).phrase
+        except ValueError:
+            phrase = ""
+        answer = ApiException(status=code, reason=cause.status_message or phrase)
+        answer.body = cause.resp_body  # type: ignore[assignment]  # bytes: _status_body decodes
+        return answer
+    return cause if cause is not None else exc
 
 
 def _body(manifest: Manifest) -> Any:
@@ -251,7 +333,124 @@ class KubeApi:
                 _request_timeout=self._timeout))
 
     def list_pods(self, label_selector: str) -> list[Obj]:
+        return self.list_pods_versioned(label_selector).items
+
+    def list_pods_versioned(self, label_selector: str) -> PodList:
         with self._errors("list", "pods", f"list Pods in {self.namespace} ({label_selector})"):
-            return list(_json(self.core.list_namespaced_pod(
+            listed = _json(self.core.list_namespaced_pod(
                 self.namespace, label_selector=label_selector, _preload_content=False,
-                _request_timeout=self._timeout)).get("items") or [])
+                _request_timeout=self._timeout))
+        version = (listed.get("metadata") or {}).get("resourceVersion")
+        return PodList(list(listed.get("items") or []), str(version) if version else None)
+
+    def watch_pods(self, label_selector: str, resource_version: str | None,
+                   timeout_s: int) -> Iterator[WatchEvent]:
+        """Events for the pods matching ``label_selector`` after ``resource_version``; the
+        server ends the stream after ``timeout_s``. 410 Expired surfaces as KubeExpired."""
+        watcher = kube_watch.Watch()  # type: ignore[no-untyped-call]
+        stream = watcher.stream(  # type: ignore[no-untyped-call]
+            self.core.list_namespaced_pod, self.namespace, label_selector=label_selector,
+            resource_version=resource_version, timeout_seconds=timeout_s,
+            allow_watch_bookmarks=True,
+            _request_timeout=(self.request_timeout_s, timeout_s + self.request_timeout_s))
+        with self._errors("watch", "pods", f"watch Pods in {self.namespace} ({label_selector})"):
+            try:
+                for event in stream:
+                    yield WatchEvent(str(event["type"]), dict(event["raw_object"]))
+            finally:
+                stream.close()
+
+    # -- exec ---------------------------------------------------------------------------
+    def exec_with_stdin(self, pod: str, container: str, command: Sequence[str], stdin: bytes,
+                        timeout_s: float, *, exits: Mapping[int, CommandExit],
+                        failed_hint: str, secrets: Collection[str] = (),
+                        clock: Callable[[], float] = time.monotonic) -> ExecOutput:
+        """Run ``command`` in ``pod``'s ``container`` with ``stdin`` as its input and wait
+        for its exit status, all within ``timeout_s``. Exit 0 returns what it printed; a
+        non-zero exit raises as ``exits`` says (else terminal, with ``failed_hint``); every
+        other failure raises the ProviderError of the translation boundary (403 names the
+        verb on ``pods/exec`` the API server refused). ``command`` goes into the request URL
+        (the API server and its audit log see it): data belongs in ``stdin``. Nothing
+        printed is quoted before ``secrets`` are scrubbed from it."""
+        action = f"exec into Pod {self.namespace}/{pod} (container {container})"
+        deadline = clock() + timeout_s
+        with self._errors("create", "pods/exec", action):
+            ws = _ExecStream(self._open_exec(pod, container, list(command), deadline, clock,
+                                             action))
+            try:
+                _exchange(ws, stdin, deadline, clock, timeout_s, action)
+                raw_status = ws.channel(ERROR_CHANNEL)
+                stdout, stderr = ws.channel(STDOUT_CHANNEL), ws.channel(STDERR_CHANNEL)
+            finally:
+                ws.close()
+        outcome = exec_status(raw_status)
+        match outcome.end:
+            case ExecEnd.SUCCEEDED:
+                return ExecOutput(scrub(stdout, secrets), scrub(stderr, secrets))
+            case ExecEnd.EXITED:
+                raise command_exit_error(action, outcome.exit_code or 0, stderr or stdout,
+                                         exits, failed_hint, secrets)
+            case ExecEnd.FAILED:
+                raise translate_status(action, outcome.status or {},
+                                       permission=Permission("create", "pods/exec"),
+                                       namespace=self.namespace)
+            case ExecEnd.MISSING:
+                raise TransientProviderError(
+                    f"kubernetes: {action} failed: the stream closed without an exit status; "
+                    "the task retries with backoff")
+
+    def _open_exec(self, pod: str, container: str, command: list[str], deadline: float,
+                   clock: Callable[[], float], action: str) -> WSClient:
+        """The connected exec stream, or the connect's error, or a TransientProviderError
+        at ``deadline``."""
+        api_client = ApiClient(self.api_client.configuration)
+        core = CoreV1Api(api_client)
+        lock = threading.Lock()
+        done = threading.Event()
+        outcome: list[WSClient | BaseException] = []
+        abandoned = False
+
+        def connect() -> None:
+            result: WSClient | BaseException
+            try:
+                result = kube_stream(
+                    core.connect_get_namespaced_pod_exec, pod, self.namespace,
+                    container=container, command=command, stdin=True, stdout=True,
+                    stderr=True, tty=False, _preload_content=False)
+            except BaseException as exc:  # handed to the waiting thread, which raises it
+                result = exc
+            with lock:
+                if abandoned and isinstance(result, WSClient):
+                    _ExecStream(result).close()
+                else:
+                    outcome.append(result)
+            api_client.close()  # type: ignore[no-untyped-call]
+            done.set()
+
+        threading.Thread(target=connect, name=f"exec-connect-{pod}", daemon=True).start()
+        done.wait(max(0.0, deadline - clock()))
+        with lock:
+            if not outcome:
+                abandoned = True
+                raise TransientProviderError(
+                    f"kubernetes: {action} failed: the API server did not open the exec "
+                    "stream in time; the task retries with backoff")
+            result = outcome[0]
+        if isinstance(result, BaseException):
+            raise _handshake_error(result)
+        return result
+
+
+def _exchange(ws: _ExecStream, stdin: bytes, deadline: float, clock: Callable[[], float],
+              timeout_s: float, action: str) -> None:
+    """Send ``stdin``, then read every frame until the server closes the stream."""
+    ws.settimeout(max(deadline - clock(), 0.001))
+    if stdin:
+        ws.send_stdin(stdin)
+    while ws.is_open():
+        remaining = deadline - clock()
+        if remaining <= 0:
+            raise TransientProviderError(
+                f"kubernetes: {action} failed: the command did not finish within "
+                f"{timeout_s:g}s; the task retries with backoff")
+        ws.pump(remaining)

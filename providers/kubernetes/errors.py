@@ -2,10 +2,13 @@
 ``ApiException``, urllib3 and socket errors into the provider exception tree
 (providers/errors.py). Nothing else in this package catches an ``ApiException``.
 
-    TransientProviderError  429, 408, 5xx, timeouts, refused / dropped connections
-      └── KubeExpired       410 Gone: a watch's resourceVersion is too old (re-list, re-watch)
+    TransientProviderError  429, 408, 5xx, timeouts, refused / dropped connections, a broken
+     │                      exec stream
+      ├── KubeExpired       410 Gone: a watch's resourceVersion is too old (re-list, re-watch)
+      └── KubeCommandInterrupted  an exec'd command exited with a code its caller calls transient
     TerminalProviderError   400, 401, 403, 405, 415, 422 and anything else unexpected
-      └── KubeNotFound      404 (provider.py decides whether that is success)
+      ├── KubeNotFound      404 (provider.py decides whether that is success)
+      └── KubeCommandFailed an exec'd command exited non-zero (``exit_code``)
     ProviderConflict        409 (provider.py adopts on AlreadyExists when the object is ours)
       └── KubeAlreadyExists
 
@@ -20,12 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import ssl
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import urllib3.exceptions
+import websocket
 from kubernetes.client.exceptions import ApiException
 
 from providers.errors import (
@@ -46,6 +51,26 @@ class KubeAlreadyExists(ProviderConflict):
 
 class KubeExpired(TransientProviderError):
     """410 Gone / Expired: the watch must restart from a fresh resourceVersion."""
+
+
+class KubeCommandFailed(TerminalProviderError):
+    """A command run by exec exited non-zero; ``exit_code`` says with what."""
+
+    exit_code: int | None = None
+
+
+class KubeCommandInterrupted(TransientProviderError):
+    """A command run by exec exited with a code its caller says a retry can fix."""
+
+    exit_code: int | None = None
+
+
+@dataclass(frozen=True)
+class CommandExit:
+    """What an exec'd command's exit code means: whether a retry can help, what to do."""
+
+    transient: bool
+    hint: str
 
 
 TRANSIENT_STATUSES: frozenset[int] = frozenset({408, 429, 500, 502, 503, 504})
@@ -74,12 +99,23 @@ class Permission:
     resource: str
     group: str = ""
 
+    def refused(self, api_message: str) -> Permission:
+        """This permission with the verb the API server's 403 message names for the same
+        resource (``... cannot get resource "pods/exec" ...``), if it names one."""
+        match = _REFUSED.search(api_message)
+        if match and match.group(2) == self.resource:
+            return replace(self, verb=match.group(1))
+        return self
+
     def missing(self, namespace: str) -> str:
         group = f'"{self.group}"' if self.group else '"" (core)'
         return (f'the worker\'s identity lacks the RBAC permission to "{self.verb}" '
                 f'"{self.resource}" (API group '
                 f"{group}) in namespace {namespace}: add verb \"{self.verb}\" on resource "
                 f'"{self.resource}" to the worker\'s Role (deploy/rbac/role.yaml) and retry')
+
+
+_REFUSED = re.compile(r'cannot ([a-z]+) resource "([^"]+)"')
 
 
 def _status_body(exc: ApiException) -> dict[str, Any]:
@@ -97,15 +133,20 @@ def _status_body(exc: ApiException) -> dict[str, Any]:
 
 def describe_api_exception(action: str, exc: ApiException, *, sensitive: bool,
                            permission: Permission | None = None, namespace: str = "") -> str:
-    status = int(exc.status or 0)
     body = _status_body(exc)
-    reason = str(body.get("reason") or exc.reason or "").strip()
-    message = "" if sensitive else str(body.get("message") or "").strip()
+    return _describe(action, int(exc.status or 0), str(body.get("reason") or exc.reason or ""),
+                     "" if sensitive else str(body.get("message") or ""),
+                     permission=permission, namespace=namespace)
+
+
+def _describe(action: str, status: int, reason: str, message: str, *,
+              permission: Permission | None, namespace: str) -> str:
+    reason, message = reason.strip(), message.strip()
     hint = _HINTS.get(status) or (
         "the API server failed; the task retries with backoff" if status >= 500 else
         "unexpected answer from the API server")
     if status == 403 and permission is not None:
-        hint = permission.missing(namespace)
+        hint = permission.refused(message).missing(namespace)
     detail = f"HTTP {status} {reason}".strip()
     if message:
         detail += f": {message[:300]}"
@@ -116,16 +157,51 @@ def translate_api_exception(action: str, exc: ApiException, *, sensitive: bool,
                             permission: Permission | None = None,
                             namespace: str = "") -> ProviderError:
     status = int(exc.status or 0)
-    return _classify(status, exc, describe_api_exception(
+    return _classify(status, str(_status_body(exc).get("reason") or ""), describe_api_exception(
         action, exc, sensitive=sensitive, permission=permission, namespace=namespace,
     )).with_status(status or None)  # 0: no HTTP answer at all
 
 
-def _classify(status: int, exc: ApiException, text: str) -> ProviderError:
+def translate_status(action: str, status: Mapping[str, Any], *,
+                     permission: Permission | None = None,
+                     namespace: str = "") -> ProviderError:
+    """A failure ``Status`` that came without an HTTP error (an exec's status channel, where
+    the kubelet reports e.g. a container that is not running as InternalError 500)."""
+    code = int(status.get("code") or 500)
+    reason = str(status.get("reason") or "")
+    text = _describe(action, code, reason, str(status.get("message") or ""),
+                     permission=permission, namespace=namespace)
+    return _classify(code, reason, text).with_status(code)
+
+
+def command_exit_error(action: str, exit_code: int, output: str,
+                       meanings: Mapping[int, CommandExit], default_hint: str,
+                       secrets: Collection[str] = ()) -> ProviderError:
+    """The error for a command that exited ``exit_code``: transient or terminal as
+    ``meanings`` says. ``output`` (what it printed) is quoted with every value of
+    ``secrets`` replaced by ``***``."""
+    meaning = meanings.get(exit_code, CommandExit(False, default_hint))
+    quoted = scrub(output, secrets).strip()[-300:]
+    text = (f"kubernetes: {action} failed: the command exited {exit_code}"
+            + (f" ({quoted})" if quoted else "") + f"; {meaning.hint}")
+    error: KubeCommandInterrupted | KubeCommandFailed = (
+        KubeCommandInterrupted(text) if meaning.transient else KubeCommandFailed(text))
+    error.exit_code = exit_code
+    return error
+
+
+def scrub(text: str, secrets: Collection[str]) -> str:
+    """``text`` with every (non-empty) secret value replaced by ``***``, longest first."""
+    for value in sorted((s for s in secrets if s), key=len, reverse=True):
+        text = text.replace(value, "***")
+    return text
+
+
+def _classify(status: int, reason: str, text: str) -> ProviderError:
     if status == 404:
         return KubeNotFound(text)
     if status == 409:
-        if _status_body(exc).get("reason") == "AlreadyExists":
+        if reason == "AlreadyExists":
             return KubeAlreadyExists(text)
         return ProviderConflict(text)
     if status == 410:
@@ -177,8 +253,28 @@ def kube_errors(action: str, *, sensitive: bool = False, permission: Permission 
             f"kubernetes: {action} failed: connection to the API server failed "
             f"({kind}); the task retries with backoff"
         ) from None
+    except websocket.WebSocketException as exc:  # an exec stream, after its handshake
+        raise TransientProviderError(
+            f"kubernetes: {action} failed: the stream broke ({type(exc).__name__}); the task "
+            "retries with backoff"
+        ) from None
     except (TimeoutError, ConnectionError) as exc:
         raise TransientProviderError(
             f"kubernetes: {action} failed: {type(exc).__name__} talking to the API server; "
+            "the task retries with backoff"
+        ) from None
+    except ssl.SSLError as exc:  # a WebSocket's own TLS (the REST calls' come via urllib3)
+        if _is_certificate_error(exc):
+            raise TerminalProviderError(
+                f"kubernetes: {action} failed: the API server's TLS certificate was not "
+                "trusted; fix the CA in the kubeconfig"
+            ) from None
+        raise TransientProviderError(
+            f"kubernetes: {action} failed: TLS to the API server failed "
+            f"({type(exc).__name__}); the task retries with backoff"
+        ) from None
+    except OSError as exc:  # a WebSocket's own connect: name resolution, unreachable network
+        raise TransientProviderError(
+            f"kubernetes: {action} failed: {type(exc).__name__} reaching the API server; "
             "the task retries with backoff"
         ) from None

@@ -7,6 +7,13 @@ Order of creation (see provider.py): the workload (Sandbox or Job) first, then i
 ``<name>-env`` with an ownerReference to the uid the create returned. The pod reads the
 Secret through ``envFrom`` with ``optional: false``, so the kubelet does not start the
 container before the Secret exists.
+
+A warm pool member (``LeaseIdentity.pool``) also carries the label ``leasekeeper.dev/pool``
+on every object, and its sandbox container gets the run directory: a memory-backed
+``emptyDir`` mounted at ``RUN_DIR_PATH``, named by ``$LEASEKEEPER_RUN_DIR``, which a claim
+fills with its run's data (delivery.py). Its Secret holds the bootstrap token only: a run's
+secrets reach the member at claim time, never through a manifest. Leases without a pool get
+exactly the manifests they always did.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from datetime import UTC, datetime, timedelta
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
+from providers.base import RUN_DIR_ENV
 from providers.spec import SandboxSpec
 
 if TYPE_CHECKING:
@@ -37,6 +45,7 @@ LABEL_TENANT = "leasekeeper.dev/tenant"
 LABEL_WORKLOAD = "leasekeeper.dev/workload"
 LABEL_BACKEND = "leasekeeper.dev/backend"
 LABEL_ROLE = "leasekeeper.dev/role"
+LABEL_POOL = "leasekeeper.dev/pool"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "leasekeeper"
 ROLE_SANDBOX = "sandbox"
@@ -46,6 +55,7 @@ ANNOTATION_LEASE_ID = "leasekeeper.dev/lease-id"
 SANDBOX_POD_ANNOTATION = "agents.x-k8s.io/pod-name"
 SANDBOX_NAME_LABEL = "agents.x-k8s.io/sandbox-name"
 JOB_NAME_LABEL = "job-name"
+JOB_UID_LABEL = "controller-uid"
 
 BOOTSTRAP_TOKEN_ENV = "LEASEKEEPER_BOOTSTRAP_TOKEN"  # noqa: S105 - a variable name
 LEASE_ID_ENV = "LEASEKEEPER_LEASE_ID"
@@ -53,6 +63,12 @@ CONTAINER_NAME = "sandbox"
 SECRET_SUFFIX = "-env"  # noqa: S105 - a name suffix
 # A Sandbox pod must stay up until destroyed; a Job without a command runs the image's own.
 IDLE_COMMAND = ["sh", "-c", "trap 'exit 0' TERM; while :; do sleep 3600 & wait $!; done"]
+# A pool member's run directory: tmpfs (never on the node's disk), private to its pod. 4 MiB
+# holds the largest run a spec allows (128 KiB of env and secrets, sh-quoted at most 4x) twice
+# over, as a repeated claim's temporary copy needs; it counts against the memory limit.
+RUN_VOLUME = "leasekeeper-run"
+RUN_DIR_PATH = "/run/leasekeeper"
+RUN_DIR_SIZE_LIMIT = "4Mi"
 
 NAME_PREFIX = "lk-"
 # <name>-env and the job-name / sandbox-name labels must stay within 63 characters.
@@ -158,6 +174,7 @@ class LeaseIdentity:
     tenant: str
     run_id: str | None = None
     extra_labels: tuple[tuple[str, str], ...] = ()
+    pool: str | None = None  # the warm pool this sandbox is created for
 
 
 @dataclass(frozen=True)
@@ -207,6 +224,8 @@ def build_labels(identity: LeaseIdentity, backend: Backend) -> dict[str, str]:
     })
     if identity.run_id:
         labels[LABEL_RUN_ID] = label_value(identity.run_id)
+    if identity.pool:
+        labels[LABEL_POOL] = label_value(identity.pool)
     return labels
 
 
@@ -236,11 +255,17 @@ def build_container(identity: LeaseIdentity, spec: SandboxSpec, defaults: Worklo
     command = spec.command or (IDLE_COMMAND if backend is Backend.SANDBOX_CR else None)
     if command:
         container["command"] = list(command)
+    ours = [{"name": LEASE_ID_ENV, "value": identity.lease_id}]
+    if identity.pool:
+        ours.append({"name": RUN_DIR_ENV, "value": RUN_DIR_PATH})
+    reserved = {var["name"] for var in ours}
     container["env"] = [
-        {"name": LEASE_ID_ENV, "value": identity.lease_id},
-        *({"name": key, "value": value} for key, value in spec.env.items() if key != LEASE_ID_ENV),
+        *ours,
+        *({"name": key, "value": value} for key, value in spec.env.items() if key not in reserved),
     ]
     container["envFrom"] = [{"secretRef": {"name": secret_name(identity.name), "optional": False}}]
+    if identity.pool:
+        container["volumeMounts"] = [{"name": RUN_VOLUME, "mountPath": RUN_DIR_PATH}]
     container["resources"] = {
         "requests": {
             "cpu": (res and res.cpu_request) or defaults.cpu_request,
@@ -263,12 +288,19 @@ def build_pod_template(identity: LeaseIdentity, spec: SandboxSpec, defaults: Wor
     }
     if backend is Backend.JOB:
         pod_spec["restartPolicy"] = "Never"
+    if identity.pool:
+        pod_spec["volumes"] = [build_run_volume()]
     labels = build_labels(identity, backend)
     labels[LABEL_ROLE] = ROLE_SANDBOX
     return {
         "metadata": {"labels": labels, "annotations": build_annotations(identity)},
         "spec": pod_spec,
     }
+
+
+def build_run_volume() -> Manifest:
+    """A pool member's run directory: memory-backed, small, gone with its pod."""
+    return {"name": RUN_VOLUME, "emptyDir": {"medium": "Memory", "sizeLimit": RUN_DIR_SIZE_LIMIT}}
 
 
 def _rfc3339(moment: datetime) -> str:
@@ -311,10 +343,11 @@ def build_job(identity: LeaseIdentity, spec: SandboxSpec, defaults: WorkloadDefa
 def build_secret(identity: LeaseIdentity, spec: SandboxSpec, defaults: WorkloadDefaults,
                  backend: Backend, bootstrap_token: str, owner: OwnerRef) -> Manifest:
     """The per-run Secret: bootstrap token plus the spec's secret env, owned by the workload.
+    A pool member's holds the bootstrap token alone (its run's secrets come with the claim).
 
     The returned manifest holds secret values: never log it.
     """
-    string_data: dict[str, str] = dict(spec.secret_values())
+    string_data: dict[str, str] = {} if identity.pool else dict(spec.secret_values())
     string_data[BOOTSTRAP_TOKEN_ENV] = bootstrap_token
     return {
         "apiVersion": "v1",

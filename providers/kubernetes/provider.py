@@ -5,8 +5,14 @@ Secret ``<name>-env``.
     acquire       workload (409 → adopt if ours), then Secret (owner = the workload's uid),
                   then wait: Sandbox Ready through one watch (its pod named from it); Job
                   exists (Pending is fine). 3 requests for a Sandbox, 2 for a Job.
+                  A warm pool member (``request.pool``) must be claimable once acquired:
+                  a Job's waits (list + watch) until its pod is Running, and names it.
                   Any failure after the workload exists runs destroy before re-raising.
     resume_check  checkLeaseResumable of the seed: expected states never raise.
+    claim         a pool member taken by a run: workload and pod read (not claimable:
+                  NOT_RESUMABLE, never an error), then one exec into the sandbox container
+                  that writes the run's data into its run directory from stdin
+                  (delivery.py). 2 requests and the exec.
     job_exit      a Job's phase and its container's exit code.
     destroy       workload (Foreground), its pods (listed by our labels), Secret; every
                   part attempted, 404 = done. Each object is deleted by the uid recorded
@@ -34,6 +40,9 @@ from providers.base import (
     Acquired,
     AcquireOutcome,
     AcquireRequest,
+    Claimed,
+    ClaimOutcome,
+    ClaimRequest,
     DestroyOutcome,
     LeaseHandle,
     ManagedResource,
@@ -51,15 +60,24 @@ from providers.errors import (
     TransientProviderError,
 )
 from providers.kubernetes.client import KubeApi, Obj, build_api_client
-from providers.kubernetes.errors import KubeAlreadyExists, KubeNotFound
+from providers.kubernetes.delivery import DELIVERY_EXITS, DELIVERY_FAILED_HINT, build_delivery
+from providers.kubernetes.errors import (
+    KubeAlreadyExists,
+    KubeCommandFailed,
+    KubeCommandInterrupted,
+    KubeNotFound,
+)
 from providers.kubernetes.manifests import (
     ANNOTATION_LEASE_ID,
+    CONTAINER_NAME,
     DNS_LABEL,
     JOB_NAME_LABEL,
+    JOB_UID_LABEL,
     LABEL_BACKEND,
     LABEL_INSTALLATION,
     LABEL_LEASE_ID,
     LABEL_MANAGED_BY,
+    LABEL_POOL,
     LABEL_RUN_ID,
     LABEL_WORKLOAD,
     NAME_MAX,
@@ -95,6 +113,7 @@ from providers.kubernetes.status import (
     owner_uids,
     pick_pod,
     pod_not_running_reason,
+    pod_phase,
     sandbox_pod_hint,
     sandbox_state,
     terminating_since,
@@ -136,6 +155,22 @@ class _SecretTarget:
 class _PodLookup:
     pod: Obj | None
     missing_name: str | None = None  # the named pod the Sandbox points at, which is gone
+
+
+@dataclass(frozen=True)
+class _Claimable:
+    """A pool member's pod, Running, ready to take its run's data."""
+
+    pod: str
+
+
+def _not_claimable(reason: str) -> Claimed:
+    return Claimed(ClaimOutcome.NOT_RESUMABLE, reason)
+
+
+def _pod_started_or_ended(pod: Obj) -> bool:
+    """A Job pod's wait is over: it runs, it ended, or it is going away."""
+    return pod_phase(pod) in ("Running", "Succeeded", "Failed") or is_terminating(pod)
 
 
 class KubernetesProvider:
@@ -191,10 +226,16 @@ class KubernetesProvider:
                 labels.pop(key)
             elif not is_label_key(key):
                 raise InvalidRequest(f"kubernetes: {key!r} is not a valid label key")
+        if request.pool is not None and request.spec.secret_env:
+            raise InvalidRequest(
+                f"kubernetes: pool {request.pool!r}: a pool member's spec carries no secret_env "
+                "(a run's secrets reach the member when it is claimed); remove it from the "
+                "pool's template")
         return LeaseIdentity(
             lease_id=request.lease_id, name=request.name, installation=self.installation,
             tenant=label_value(request.spec.tenant), run_id=run_id,
-            extra_labels=tuple(sorted((k, label_value(v)) for k, v in labels.items())))
+            extra_labels=tuple(sorted((k, label_value(v)) for k, v in labels.items())),
+            pool=request.pool)
 
     # -- acquire ------------------------------------------------------------------------
     def acquire(self, request: AcquireRequest) -> Acquired:
@@ -203,6 +244,8 @@ class KubernetesProvider:
         identity = self._identity(request)
         workload = self._create_or_adopt(backend, identity, request)
         info = self._meta(backend, workload.obj, pod_name=None)
+        if request.pool is not None:
+            info["pool"] = request.pool
         try:
             try:
                 info["secret_uid"] = self._ensure_secret(backend, identity, request,
@@ -213,6 +256,10 @@ class KubernetesProvider:
             match backend:
                 case Backend.SANDBOX_CR:
                     info["pod_name"] = self._await_sandbox(workload.obj, deadline,
+                                                           request.timeout_s)
+                case Backend.JOB if request.pool is not None:
+                    # A pool member is claimed by an exec into its pod: it must run first.
+                    info["pod_name"] = self._await_job_pod(workload.obj, deadline,
                                                            request.timeout_s)
                 case Backend.JOB:
                     # Pending is fine for a Job (the seed's resume check says so), and its
@@ -338,6 +385,44 @@ class KubernetesProvider:
             settled=lambda obj: sandbox_state(obj).phase is not SandboxPhase.PENDING,
             deadline=deadline, clock=self._clock)
 
+    def _await_job_pod(self, job: Obj, deadline: float, timeout_s: float) -> str:
+        """The name of the Job's pod once it is Running: one list, then one watch of the
+        pods its controller labels with the Job's uid, under the acquire's deadline."""
+        name, uid = name_of(job), uid_of(job)
+        selector = f"{JOB_UID_LABEL}={uid}"
+
+        def current() -> Obj:
+            # The pod if there is one yet, else a stand-in carrying the list's
+            # resourceVersion, so the watch starts where the list ended.
+            listed = self.api.list_pods_versioned(selector)
+            chosen = pick_pod(listed.items, uid)
+            return chosen or {"metadata": {"resourceVersion": listed.resource_version}}
+
+        result = wait_for(
+            initial=current(),
+            watch=lambda rv, timeout: self.api.watch_pods(selector, rv, timeout),
+            reread=current,
+            settled=lambda pod: controlled_by(pod, uid) and _pod_started_or_ended(pod),
+            deadline=deadline, clock=self._clock)
+        match result.outcome:
+            case WaitOutcome.DELETED:
+                raise TransientProviderError(
+                    f"kubernetes: the pod of Job {name} was deleted before it ran")
+            case WaitOutcome.TIMED_OUT:
+                raise TransientProviderError(
+                    f"kubernetes: the pod of Job {name} was not Running within {timeout_s:g}s; "
+                    "can it be scheduled, and its image pulled?")
+            case WaitOutcome.SETTLED:
+                pod = result.obj or {}
+        problem = pod_not_running_reason(pod)
+        if problem is None:
+            return name_of(pod)
+        if is_terminating(pod):
+            raise TransientProviderError(f"kubernetes: Job {name}: {problem}")
+        raise TerminalProviderError(
+            f"kubernetes: Job {name} cannot be a pool member: {problem} before it could be "
+            "claimed (a pool's template command must keep running until a run comes)")
+
     def _cleanup_failed_acquire(self, lease_id: str, handle: LeaseHandle,
                                 cause: Exception) -> None:
         try:
@@ -435,6 +520,114 @@ class KubernetesProvider:
                     pod_name=name_of(pod) if pod else None,
                     phase="Running" if phase is JobPhase.RUNNING else "Pending",
                     namespace=api.namespace)
+
+    # -- claim (warm pools) ----------------------------------------------------------------
+    def claim(self, handle: LeaseHandle, request: ClaimRequest) -> Claimed:
+        """A run takes this pool member: check cheaply that it can be used (workload and pod
+        read; not claimable is NOT_RESUMABLE with the reason), then deliver the run's data
+        by one exec into its sandbox container, on stdin (delivery.py). Idempotent: a
+        repeated claim writes the same files again. The exec's failures raise (transient or
+        terminal, from the client's boundary) unless they show the pod went away."""
+        deadline = self._clock() + request.timeout_s
+        backend = self._backend(handle.backend or handle.meta.get("backend"))
+        api = self._api_for(handle.meta)
+        pod_name = handle.meta.get("pod_name")
+        match backend:
+            case Backend.SANDBOX_CR:
+                found = self._claimable_sandbox(api, handle.name, pod_name)
+            case Backend.JOB:
+                found = self._claimable_job(api, handle.name, pod_name)
+        if isinstance(found, Claimed):
+            return found
+        delivery = build_delivery(request)
+        try:
+            api.exec_with_stdin(found.pod, CONTAINER_NAME, delivery.command, delivery.stdin,
+                                max(deadline - self._clock(), 0.0), exits=DELIVERY_EXITS,
+                                failed_hint=DELIVERY_FAILED_HINT, secrets=delivery.secrets,
+                                clock=self._clock)
+        except (KubeCommandFailed, KubeCommandInterrupted):
+            raise  # the command ran: the pod was there
+        except ProviderError as exc:
+            if exc.status not in (None, 400, 404, 500):
+                raise  # 401, 403, 429...: not about the pod
+            gone = self._pod_gone_reason(api, found.pod)
+            if gone is None:
+                raise
+            return _not_claimable(gone)
+        return Claimed(ClaimOutcome.CLAIMED, meta={
+            "pod_name": found.pod, "claimed_at": self._now().isoformat()})
+
+    def _claimable_sandbox(self, api: KubeApi, name: str,
+                           pod_name: object) -> _Claimable | Claimed:
+        try:
+            sandbox = api.get_workload(Backend.SANDBOX_CR, name)
+        except KubeNotFound:
+            return _not_claimable("Sandbox CR no longer exists")
+        state = sandbox_state(sandbox)
+        match state.phase:
+            case SandboxPhase.PENDING:
+                return _not_claimable(f"Sandbox {name} is not Ready ({state.reason})")
+            case SandboxPhase.FAILED | SandboxPhase.TERMINATING:
+                return _not_claimable(state.reason)
+            case SandboxPhase.READY:
+                pass
+        if pod_name:
+            return self._claimable_pod(api, str(pod_name), uid_of(sandbox), f"Sandbox {name}")
+        lookup = self._sandbox_pod(sandbox, api)
+        if lookup.pod is None:
+            return _not_claimable(f"Pod {lookup.missing_name} no longer exists"
+                                  if lookup.missing_name else
+                                  "Sandbox is Ready but no backing pod was found")
+        return self._running(lookup.pod)
+
+    def _claimable_job(self, api: KubeApi, name: str, pod_name: object) -> _Claimable | Claimed:
+        try:
+            job = api.get_workload(Backend.JOB, name)
+        except KubeNotFound:
+            return _not_claimable("Job no longer exists")
+        if is_terminating(job):
+            return _not_claimable(f"Job {name} is terminating")
+        phase = job_phase(job)
+        match phase:
+            case JobPhase.SUCCEEDED | JobPhase.FAILED:
+                return _not_claimable(f"Job is {phase.value}")
+            case JobPhase.GONE:
+                return _not_claimable("Job no longer exists")
+            case JobPhase.PENDING | JobPhase.RUNNING:
+                pass
+        if pod_name:
+            return self._claimable_pod(api, str(pod_name), uid_of(job), f"Job {name}")
+        pod = self._job_pod(job, api)
+        if pod is None:
+            return _not_claimable(f"Job {name} has no pod")
+        return self._running(pod)
+
+    def _claimable_pod(self, api: KubeApi, pod_name: str, owner_uid: str | None,
+                       owner: str) -> _Claimable | Claimed:
+        try:
+            pod = api.get_pod(pod_name)
+        except KubeNotFound:
+            return _not_claimable(f"Pod {pod_name} no longer exists")
+        if not controlled_by(pod, owner_uid):
+            return _not_claimable(f"Pod {pod_name} is no longer {owner}'s")
+        return self._running(pod)
+
+    @staticmethod
+    def _running(pod: Obj) -> _Claimable | Claimed:
+        problem = pod_not_running_reason(pod)
+        return _not_claimable(problem) if problem else _Claimable(name_of(pod))
+
+    @staticmethod
+    def _pod_gone_reason(api: KubeApi, pod_name: str) -> str | None:
+        """Why the pod can no longer be claimed (gone, not Running), or None if it still
+        runs (or cannot be read: then the exec's own error is what to report)."""
+        try:
+            pod = api.get_pod(pod_name)
+        except KubeNotFound:
+            return f"Pod {pod_name} no longer exists"
+        except ProviderError:
+            return None
+        return pod_not_running_reason(pod)
 
     def job_exit(self, handle: LeaseHandle) -> JobExit:
         """A Job's phase and, once terminal, its container's exit code (None if unknown)."""
@@ -618,6 +811,9 @@ class KubernetesProvider:
             chosen = pick_pod(own_pods, uid_of(obj))
             if chosen is not None:
                 info["pod_name"] = name_of(chosen)
+            pool = labels_of(obj).get(LABEL_POOL)
+            if pool:
+                info["pool"] = pool
             stopped = job_stop_reason(obj) if backend is Backend.JOB else None
             exit_code = (job_exit_code(obj, own_pods)
                          if backend is Backend.JOB and stopped is None else None)

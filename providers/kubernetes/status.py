@@ -2,11 +2,14 @@
 Sandbox Ready / Failed / Terminating, what phase a Job is in, which pod backs a workload,
 what a pod's state means for a resume, whether an object belongs to this lease.
 
-No I/O here; provider.py fetches, these functions decide.
+No I/O here; provider.py fetches, these functions decide. ``exec_status`` reads what an
+exec's status channel said.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -54,6 +57,40 @@ class JobPhase(StrEnum):
     SUCCEEDED = "Succeeded"
     FAILED = "Failed"
     GONE = "Gone"  # the Job no longer exists (only job_exit reports it)
+
+
+class ExecEnd(StrEnum):
+    SUCCEEDED = "succeeded"  # Status Success: the command exited 0
+    EXITED = "exited"  # NonZeroExitCode with its ExitCode cause
+    FAILED = "failed"  # any other Failure: the command did not run or was not seen to end
+    MISSING = "missing"  # the stream closed without a (readable) status
+
+
+@dataclass(frozen=True)
+class ExecStatus:
+    end: ExecEnd
+    exit_code: int | None = None
+    status: Mapping[str, Any] | None = None  # the Status object, for FAILED
+
+
+def exec_status(raw: str) -> ExecStatus:
+    """The outcome an exec's status channel (v4 / v5) reports: ``{"status": "Success"}``, or
+    ``{"status": "Failure", "reason": "NonZeroExitCode", "details": {"causes": [{"reason":
+    "ExitCode", "message": "<n>"}]}}``, or another Failure (the kubelet's own errors)."""
+    try:
+        status = json.loads(raw) if raw.strip() else None
+    except ValueError:
+        status = None
+    if not isinstance(status, dict) or "status" not in status:
+        return ExecStatus(ExecEnd.MISSING)
+    if status["status"] == "Success":
+        return ExecStatus(ExecEnd.SUCCEEDED, 0)
+    if status.get("reason") == "NonZeroExitCode":
+        for cause in (status.get("details") or {}).get("causes") or []:
+            if isinstance(cause, dict) and cause.get("reason") == "ExitCode":
+                with contextlib.suppress(TypeError, ValueError):
+                    return ExecStatus(ExecEnd.EXITED, int(str(cause.get("message"))), status)
+    return ExecStatus(ExecEnd.FAILED, None, status)
 
 
 def meta(obj: Obj) -> Mapping[str, Any]:

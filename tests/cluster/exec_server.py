@@ -3,7 +3,10 @@
 real kube-apiserver proxies to the Node's ``daemonEndpoints.kubeletEndpoint.Port``.
 
 Hand-written on the standard library (no WebSocket package needed). Every exec process runs in
-its own process group; ``stop()`` kills all of them.
+its own process group; ``stop()`` kills all of them. An exec into a pod with its own
+namespaces runs through the target's ``enter`` (``nsenter``), and its command is looked up in
+that pod's view of the filesystem (``root``), so a missing one gets the same 126 answer either
+way.
 """
 
 from __future__ import annotations
@@ -34,14 +37,38 @@ STDIN, STDOUT, STDERR, STATUS, RESIZE, CLOSE = 0, 1, 2, 3, 4, 255
 SUPPORTED_PROTOCOLS = ("v4.channel.k8s.io", "v5.channel.k8s.io")
 
 
+def _as_is(command: list[str]) -> list[str]:
+    return command
+
+
 @dataclass(frozen=True)
 class ContainerTarget:
-    """Where an exec or log request for one container goes."""
+    """Where an exec or log request for one container goes: ``enter`` wraps an exec's
+    command to run in the container's namespaces; ``root`` is its view of ``/``."""
 
     env: dict[str, str]
     cwd: Path
     log_path: Path
     running: Callable[[], bool]
+    root: Path = Path("/")
+    enter: Callable[[list[str]], list[str]] = _as_is
+
+    def cannot_run(self, program: str) -> str | None:
+        """Why ``program`` cannot be executed in the container's view (as ``execve`` would
+        say), or None when it resolves to an executable file."""
+        if "/" in program:
+            candidates = [program]
+        else:
+            candidates = [f"{d or '.'}/{program}" for d in self.env.get("PATH", "").split(":")]
+        problem = "No such file or directory"
+        for candidate in candidates:
+            path = self.root / candidate.lstrip("/") if candidate.startswith("/") else \
+                self.cwd / candidate
+            if path.is_file():
+                if os.access(path, os.X_OK):
+                    return None
+                problem = "Permission denied"
+        return problem
 
 
 Resolver = Callable[[str, str, str], "ContainerTarget | None"]
@@ -105,6 +132,10 @@ class KubeletServer:
             self._thread.join(5)
 
     def wrap(self, sock: socket.socket) -> ssl.SSLSocket:
+        # A kubelet (Go) writes with TCP_NODELAY, as Go does on every TCP connection; without
+        # it, Nagle's algorithm holds a frame that follows another (an exec's status after its
+        # output, the close after the status) until the API server's delayed ACK, ~40 ms.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return self._context.wrap_socket(sock, server_side=True)
 
     def track(self, child: subprocess.Popen[bytes], add: bool) -> None:
@@ -240,9 +271,13 @@ class _Handler(socketserver.BaseRequestHandler):
         # the API server passes input/output/error/tty (kubectl's stdin is "input" here)
         want_stdin = _flag(query, "input") or _flag(query, "stdin")
         tty = _flag(query, "tty")
+        problem = target.cannot_run(command[0])
+        if problem is not None:
+            self._finish(status_exit_code(126, f"exec: {command[0]!r}: {problem}"))
+            return
         try:
             child = subprocess.Popen(
-                command, env=target.env, cwd=target.cwd, start_new_session=True,
+                target.enter(command), env=target.env, cwd=target.cwd, start_new_session=True,
                 stdin=subprocess.PIPE if want_stdin else subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT if tty else subprocess.PIPE)
         except OSError as exc:

@@ -8,13 +8,19 @@ OnFailure restart the process with a short backoff, as a kubelet would), finishe
 deletions (SIGTERM to the process group, SIGKILL after the grace period, then delete with grace
 0) and serves exec and logs through ``exec_server.KubeletServer``. ``stop()`` kills every
 process it started. A pod that names a ServiceAccount (automount not off) gets its token at
-the in-cluster path and its own hostname (``pod_namespaces``); ``KUBERNETES_SERVICE_HOST`` /
-``PORT`` point at the API server.
+the in-cluster path; a container with emptyDir volume mounts sees them at their mount paths
+(``pod_volumes``: a tmpfs for ``medium: Memory``, removed when the pod object goes); either
+way the pod runs in its own mount and UTS namespaces with its own hostname
+(``pod_namespaces``), and an exec into it runs in those namespaces, so it reads and writes
+that pod's volumes and no other's. ``KUBERNETES_SERVICE_HOST`` / ``PORT`` point at the API
+server.
 
 Images are the one seam: ``images`` maps an image name to the environment its container
 starts from (as a Dockerfile's ``ENV``, e.g. a host virtualenv's ``bin`` first on ``PATH``);
 an image not in it runs with the host's. Not simulated: init containers, probes (a started
-process is Ready), volumes other than the token, users, resource limits.
+process is Ready), volumes other than emptyDir and the token (a container mounting one waits
+with CreateContainerError), users, resource limits. Only the first container runs; an exec
+into another container of the pod runs in the first one's namespaces.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ from typing import Any
 
 from kubernetes import client
 
-from tests.cluster import k8s_json, pod_namespaces
+from tests.cluster import k8s_json, pod_namespaces, pod_volumes
 from tests.cluster.certs import make_ca, make_server_cert
 from tests.cluster.exec_server import ContainerTarget, KubeletServer
 from tests.cluster.informer import Informer, Obj
@@ -44,6 +50,7 @@ from tests.cluster.pod_env import ConfigError, EnvResolver, container_command
 
 log = logging.getLogger(__name__)
 NODE_IP = "127.0.0.1"
+CONTAINER_SETUP_S = 10.0  # the longest a pod's namespace set-up may take before it runs
 
 
 def now() -> str:
@@ -63,6 +70,8 @@ class PodRun:
     cwd: Path
     log_path: Path
     restart_policy: str
+    pod_dir: Path | None = None
+    namespaced: bool = False  # runs in its own mount / UTS namespaces (pod_namespaces)
     popen: subprocess.Popen[bytes] | None = None
     started_at: str = ""
     restart_count: int = 0
@@ -98,6 +107,9 @@ class KubeletSim:
         self._stopping = threading.Event()
         self._timers: set[threading.Timer] = set()
         self._config_wait: set[str] = set()
+        self._pod_dirs: dict[str, Path] = {}  # by pod uid: whose volumes to remove when it goes
+        self._volumes_removed = threading.Condition(self._lock)
+        self._removed_uids: set[str] = set()
         self.server: KubeletServer | None = None
         self.informer: Informer | None = None
         self._worker: threading.Thread | None = None
@@ -139,6 +151,9 @@ class KubeletSim:
                 _signal_group(run, signal.SIGKILL)
                 if run.popen is not None:
                     run.popen.wait(5)
+            for pod_dir in self._pod_dirs.values():
+                pod_volumes.remove(pod_dir)
+            self._pod_dirs.clear()
         if self.server is not None:
             self.server.stop()
         if self._own_workdir:
@@ -156,6 +171,12 @@ class KubeletSim:
         with self._lock:
             found = [r for r in self.runs.values() if (r.namespace, r.name) == (namespace, name)]
         return found[-1] if found else None
+
+    def wait_volumes_removed(self, uid: str, timeout_s: float) -> bool:
+        """Until the simulator has handled the deletion of pod ``uid`` (its volumes
+        unmounted and removed); False if that did not happen within ``timeout_s``."""
+        with self._volumes_removed:
+            return self._volumes_removed.wait_for(lambda: uid in self._removed_uids, timeout_s)
 
     def alive_in(self, namespace: str) -> list[PodRun]:
         """The runs of ``namespace`` whose process is still alive."""
@@ -248,6 +269,13 @@ class KubeletSim:
             if run is not None:
                 run.terminating = True
                 _signal_group(run, signal.SIGKILL)
+            with self._lock:
+                pod_dir = self._pod_dirs.pop(uid, None)
+            if pod_dir is not None:
+                pod_volumes.remove(pod_dir)  # emptyDir volumes live as long as the pod object
+            with self._volumes_removed:
+                self._removed_uids.add(uid)
+                self._volumes_removed.notify_all()
             return
         node = spec.get("nodeName")
         if not node:
@@ -289,12 +317,23 @@ class KubeletSim:
             token = None if account is None else pod_namespaces.token_files(
                 self.core, meta["namespace"], account)
             command = container_command(containers[0], envs[containers[0]["name"]])
+            with self._lock:
+                self._pod_dirs[meta["uid"]] = pod_dir
+            mounts = pod_volumes.mounts(containers[0], spec,
+                                        pod_volumes.prepare(spec, pod_dir))
             if token is not None:
-                command = pod_namespaces.wrap(command, pod_dir, meta["name"], token)
+                mounts.append(pod_namespaces.token_mount(pod_dir, token))
+            namespaced = token is not None or bool(mounts)
+            if namespaced:
+                command = pod_namespaces.wrap(command, pod_dir, meta["name"], mounts)
         except ConfigError as exc:
             self._config_wait.add(meta["uid"])
             self._patch_waiting(pod, "CreateContainerConfigError", str(exc))
             self._later(1.0, ("retry", (meta["namespace"], meta["name"])))
+            return
+        except pod_volumes.UnsupportedVolume as exc:
+            self._config_wait.add(meta["uid"])  # no retry: the pod's spec will not change
+            self._patch_waiting(pod, "CreateContainerError", str(exc))
             return
         first = containers[0]
         workdir = Path(first["workingDir"]) if first.get("workingDir") else pod_dir
@@ -304,27 +343,38 @@ class KubeletSim:
             command=command,
             cwd=workdir if workdir.is_dir() else pod_dir,
             log_path=pod_dir / f"{first['name']}.log",
-            restart_policy=spec.get("restartPolicy", "Always"))
+            restart_policy=spec.get("restartPolicy", "Always"),
+            pod_dir=pod_dir, namespaced=namespaced)
         with self._lock:
             self.runs[run.uid] = run
         self._launch(run, pod)
 
     def _launch(self, run: PodRun, pod: Obj | None = None) -> None:
         run.started_at = now()
+        env = run.envs[run.containers[0]]
+        ready_r, ready_w = os.pipe() if run.namespaced else (-1, subprocess.DEVNULL)
+        if run.namespaced:  # the wrapper says on its stdin when its mounts are in place
+            env = {**env, pod_namespaces.READY_ENV: "1"}
         try:
             with open(run.log_path, "ab") as out:
                 run.popen = subprocess.Popen(
-                    run.command, env=run.envs[run.containers[0]], cwd=run.cwd,
-                    stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                    start_new_session=True)
+                    run.command, env=env, cwd=run.cwd, stdin=ready_w, stdout=out,
+                    stderr=subprocess.STDOUT, start_new_session=True)
         except OSError as exc:
             run.popen = None
             self._patch(run, self._terminated_status(run, 128, "StartError", str(exc)))
             self._queue.put(("exited", (run.uid, 128)))
             return
+        finally:
+            if run.namespaced:
+                os.close(ready_w)
         popen = run.popen
         threading.Thread(target=lambda: self._queue.put(("exited", (run.uid, popen.wait()))),
                          name=f"wait-{run.name}", daemon=True).start()
+        # Running only once the container's command runs with its volumes mounted, as a
+        # kubelet reports it; a wrapper that failed exits, and its exit is reported instead.
+        if run.namespaced and not pod_namespaces.await_ready(ready_r, CONTAINER_SETUP_S):
+            return
         self._patch(run, self._running_status(run))
 
     def _on_exit(self, payload: tuple[str, int]) -> None:
@@ -463,6 +513,12 @@ class KubeletSim:
         run = self.run_for(namespace, pod)
         if run is None or container not in run.containers:
             return None
+        popen = run.popen
+        if run.namespaced and popen is not None:
+            pid = popen.pid  # an exec joins the namespaces of the process running now
+            return ContainerTarget(env=run.envs[container], cwd=run.cwd, log_path=run.log_path,
+                                   running=run.alive, root=pod_namespaces.root_of(pid),
+                                   enter=lambda command: pod_namespaces.enter(pid, command))
         return ContainerTarget(env=run.envs[container], cwd=run.cwd, log_path=run.log_path,
                                running=run.alive)
 

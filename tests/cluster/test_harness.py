@@ -15,7 +15,7 @@ from kubernetes.stream import stream
 
 from tests.cluster.cluster import ClusterAccess, KubeCluster
 from tests.cluster.fault_proxy import FaultProxy
-from tests.cluster.k8s_json import body, read_json
+from tests.cluster.k8s_json import body, exec_core, read_json
 from tests.cluster.kubeconfig import api_client_from_kubeconfig
 from tests.cluster.kubelet_sim import KubeletSim
 from tests.cluster.sandbox_controller import GROUP, NAME_HASH_LABEL, PLURAL, SandboxController
@@ -107,14 +107,15 @@ def test_env_from_secret_and_exec(kube_api: client.ApiClient, kubelet_sim: Kubel
         "shell", ["sleep", "300"], envFrom=[{"secretRef": {"name": "creds"}}],
         env=[{"name": "GREETING", "value": "hello $(TOKEN)"}]))
     wait_for_pod(core, k8s_namespace, "shell", condition_is("Ready"))
-    resp = stream(core.connect_get_namespaced_pod_exec, "shell", k8s_namespace,
+    execs = exec_core(kube_api)  # not the simulators' shared client: stream() swaps its call_api
+    resp = stream(execs.connect_get_namespaced_pod_exec, "shell", k8s_namespace,
                   command=["sh", "-c", 'echo "$GREETING"; echo oops >&2; exit 5'],
                   stdout=True, stderr=True, stdin=False, tty=False, _preload_content=False)
     resp.run_forever(timeout=30)
     assert resp.read_stdout() == "hello s3cret\n"
     assert resp.read_stderr() == "oops\n"
     assert resp.returncode == 5
-    out = stream(core.connect_get_namespaced_pod_exec, "shell", k8s_namespace,
+    out = stream(execs.connect_get_namespaced_pod_exec, "shell", k8s_namespace,
                  command=["printf", "done"], stdout=True, stderr=True, stdin=False, tty=False)
     assert out == "done"
 

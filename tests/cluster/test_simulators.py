@@ -1,10 +1,13 @@
 """Owns the tests of the simulators' finer behaviour against the real API server: Sandbox
 suspension, expiry (Retain and Delete), pod failure mirrored into the Sandbox; kubelet restarts
-for restartPolicy OnFailure, CreateContainerConfigError until a Secret appears, exec stdin, and
-a pod's in-cluster ServiceAccount token (the kubernetes client's own load_incluster_config)."""
+for restartPolicy OnFailure, CreateContainerConfigError until a Secret appears, exec stdin, a
+pod's in-cluster ServiceAccount token (the kubernetes client's own load_incluster_config), and
+emptyDir volumes: each pod's own, at its mount path, memory-backed with its size limit, seen
+and written by an exec into that pod alone, removed with the pod."""
 
 from __future__ import annotations
 
+import os
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,7 +17,7 @@ import pytest
 from kubernetes import client
 from kubernetes.stream import stream
 
-from tests.cluster.k8s_json import body
+from tests.cluster.k8s_json import body, exec_core
 from tests.cluster.kubelet_sim import KubeletSim
 from tests.cluster.sandbox_controller import GROUP, PLURAL, SandboxController
 from tests.cluster.waits import condition_is, gone, pod_phase_in, wait_for_object, wait_for_pod
@@ -147,7 +150,7 @@ def test_exec_with_stdin(kube_api: client.ApiClient, kubelet_sim: KubeletSim | N
         "metadata": {"name": "cat"},
         "spec": {"containers": [{"name": "main", "image": "sim"}]}}))
     wait_for_pod(core, k8s_namespace, "cat", condition_is("Ready"))
-    resp = stream(core.connect_get_namespaced_pod_exec, "cat", k8s_namespace,
+    resp = stream(exec_core(kube_api).connect_get_namespaced_pod_exec, "cat", k8s_namespace,
                   command=["sh", "-c", "read line; echo got:$line"], stdin=True, stdout=True,
                   stderr=True, tty=False, _preload_content=False)
     resp.write_stdin("ping\n")
@@ -188,3 +191,123 @@ def test_a_service_account_pod_reaches_the_api_with_its_in_cluster_token(
     assert "Service token file does not exist" in core.read_namespaced_pod_log(
         "no-token", k8s_namespace)
     assert Path("/var/run/secrets/kubernetes.io").exists() == host_had_tokens  # host unchanged
+
+
+def _exec(core: client.CoreV1Api, namespace: str, pod: str, command: list[str],
+          stdin: str | None = None) -> tuple[int | None, str, str]:
+    """(exit code, stdout, stderr) of an exec through the API server."""
+    resp = stream(exec_core(core.api_client).connect_get_namespaced_pod_exec, pod, namespace,
+                  command=command,
+                  stdin=stdin is not None, stdout=True, stderr=True, tty=False,
+                  _preload_content=False)
+    if stdin is not None:
+        resp.write_stdin(stdin)
+    resp.run_forever(timeout=20)
+    return resp.returncode, resp.read_stdout(timeout=0), resp.read_stderr(timeout=0)
+
+
+def _volume_pod(name: str, command: list[str], volumes: list[Obj],
+                mounts: list[Obj]) -> Obj:
+    return {"metadata": {"name": name},
+            "spec": {"restartPolicy": "Never", "volumes": volumes,
+                     "containers": [{"name": "main", "image": "sim", "command": command,
+                                     "volumeMounts": mounts}]}}
+
+
+RUN = "/run/leasekeeper-sim-test"  # not on the host: each pod gets it in its own view
+TMPFS = [{"name": "run", "emptyDir": {"medium": "Memory", "sizeLimit": "1Mi"}}]
+AT_RUN = [{"name": "run", "mountPath": RUN}]
+
+
+def test_an_empty_dir_is_each_pods_own_at_its_mount_path_and_exec_writes_into_it(
+        kube_api: client.ApiClient, kubelet_sim: KubeletSim | None, k8s_namespace: str) -> None:
+    if kubelet_sim is None:
+        pytest.skip("inspects the kubelet simulator's own pod directories")
+    core = client.CoreV1Api(kube_api)
+    # given two pods whose containers mount a memory-backed emptyDir at the same path, the
+    # first writing into it when it starts
+    writes = ["sh", "-c", f"echo from-a > {RUN}/boot; exec sleep 300"]
+    core.create_namespaced_pod(k8s_namespace, body(_volume_pod("vol-a", writes, TMPFS, AT_RUN)))
+    core.create_namespaced_pod(k8s_namespace, body(_volume_pod(
+        "vol-b", ["sleep", "300"], TMPFS, AT_RUN)))
+    for name in ("vol-a", "vol-b"):
+        wait_for_pod(core, k8s_namespace, name, condition_is("Ready"))
+    # when an exec writes a file there from stdin in pod b (6 bytes: the v4 protocol that the
+    # simulator speaks, like a 1.20 kubelet, has no end-of-input signal)
+    code, _, err = _exec(core, k8s_namespace, "vol-b", [
+        "sh", "-c", f"umask 077; head -c 6 > {RUN}/.t && mv {RUN}/.t {RUN}/env"], stdin="KEY=b\n")
+    assert code == 0, err
+    # then each pod sees its own volume there, and only its own
+    assert _exec(core, k8s_namespace, "vol-a", ["ls", "-A", RUN])[1] == "boot\n"
+    assert _exec(core, k8s_namespace, "vol-b", ["ls", "-A", RUN])[1] == "env\n"
+    assert _exec(core, k8s_namespace, "vol-b", ["cat", f"{RUN}/env"])[1] == "KEY=b\n"
+    # a tmpfs of the pod's size limit, mode 0777 as a kubelet makes it
+    assert _exec(core, k8s_namespace, "vol-a", ["stat", "-f", "-c", "%T", RUN])[1] == "tmpfs\n"
+    assert _exec(core, k8s_namespace, "vol-a", ["stat", "-c", "%a", RUN])[1] == "777\n"
+    code, _, err = _exec(core, k8s_namespace, "vol-a", [
+        "sh", "-c", f"head -c 2097152 /dev/zero > {RUN}/big"])
+    assert code != 0 and "No space left on device" in err
+    # the exec ran under the pod's hostname, and the host's /run is unchanged
+    assert _exec(core, k8s_namespace, "vol-b", ["hostname"])[1] == "vol-b\n"
+    assert not os.path.exists(RUN)
+    # a command that is not there answers as before (126), in a pod of its own view too
+    assert _exec(core, k8s_namespace, "vol-a", ["no-such-command"])[0] == 126
+    # when a pod is deleted, its volume goes with it
+    run = kubelet_sim.run_for(k8s_namespace, "vol-b")
+    assert run is not None and run.pod_dir is not None
+    volume = run.pod_dir / "volumes" / "kubernetes.io~empty-dir" / "run"
+    assert os.path.ismount(volume) and (volume / "env").exists()
+    core.delete_namespaced_pod("vol-b", k8s_namespace, grace_period_seconds=0)
+    wait_for_pod(core, k8s_namespace, "vol-b", gone)
+    assert kubelet_sim.wait_volumes_removed(run.uid, 30)
+    assert not os.path.ismount(volume) and not volume.exists()
+    # while the other pod's is still there
+    assert _exec(core, k8s_namespace, "vol-a", ["cat", f"{RUN}/boot"])[1] == "from-a\n"
+
+
+def test_a_disk_empty_dir_survives_a_container_restart(
+        kube_api: client.ApiClient, kubelet_sim: KubeletSim | None, k8s_namespace: str) -> None:
+    core = client.CoreV1Api(kube_api)
+    # the first run leaves a marker in the volume and fails; the restarted one finds it
+    script = "if [ -e /srv/scratch/marker ]; then exit 0; fi; touch /srv/scratch/marker; exit 4"
+    pod = _volume_pod("vol-restart", ["sh", "-c", script], [{"name": "s", "emptyDir": {}}],
+                      [{"name": "s", "mountPath": "/srv/scratch"}])
+    pod["spec"]["restartPolicy"] = "OnFailure"
+    core.create_namespaced_pod(k8s_namespace, body(pod))
+    done = wait_for_pod(core, k8s_namespace, "vol-restart", pod_phase_in("Succeeded"))
+    assert done is not None
+    assert done["status"]["containerStatuses"][0]["restartCount"] == 1
+    assert not os.path.exists("/srv/scratch")
+
+
+def test_a_volume_kind_that_is_not_simulated_is_refused_not_ignored(
+        kube_api: client.ApiClient, kubelet_sim: KubeletSim | None, k8s_namespace: str) -> None:
+    if kubelet_sim is None:
+        pytest.skip("checks the kubelet simulator's refusal of volumes it does not simulate")
+    core = client.CoreV1Api(kube_api)
+    core.create_namespaced_pod(k8s_namespace, body(_volume_pod(
+        "vol-cm", ["sleep", "300"], [{"name": "cfg", "configMap": {"name": "missing"}}],
+        [{"name": "cfg", "mountPath": "/srv/cfg"}])))
+
+    def refused(pod: Obj | None) -> bool:
+        statuses = (pod or {}).get("status", {}).get("containerStatuses") or []
+        waiting = statuses[0]["state"].get("waiting", {}) if statuses else {}
+        return waiting.get("reason") == "CreateContainerError" and \
+            "not simulated" in waiting.get("message", "")
+
+    wait_for_pod(core, k8s_namespace, "vol-cm", refused)
+
+
+def test_a_pod_is_running_only_once_its_volumes_are_mounted(
+        kube_api: client.ApiClient, kubelet_sim: KubeletSim | None, k8s_namespace: str) -> None:
+    # as a kubelet reports a container running only once its mounts are in place, an exec
+    # the moment a pod is Running already sees its volume (the set-up runs before Running)
+    core = client.CoreV1Api(kube_api)
+    names = [f"vol-ready-{i}" for i in range(4)]
+    for name in names:
+        core.create_namespaced_pod(k8s_namespace, body(_volume_pod(
+            name, ["sleep", "300"], TMPFS, AT_RUN)))
+    for name in names:
+        wait_for_pod(core, k8s_namespace, name, pod_phase_in("Running"))
+        code, _, err = _exec(core, k8s_namespace, name, ["sh", "-c", f"mountpoint -q {RUN}"])
+        assert code == 0, (name, err)

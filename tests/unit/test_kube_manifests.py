@@ -160,6 +160,133 @@ def test_build_secret_is_the_whole_manifest_with_owner_and_token() -> None:
     }
 
 
+POOL_IDENTITY = LeaseIdentity(lease_id="01jpool", name="lk-01jpool", installation="prod",
+                              tenant="acme", pool="py-small")
+POOL_LABELS = {
+    "app.kubernetes.io/managed-by": "leasekeeper",
+    "leasekeeper.dev/installation": "prod",
+    "leasekeeper.dev/lease-id": "01jpool",
+    "leasekeeper.dev/tenant": "acme",
+    "leasekeeper.dev/workload": "lk-01jpool",
+    "leasekeeper.dev/pool": "py-small",
+}
+POOL_ANNOTATIONS = {"leasekeeper.dev/lease-id": "01jpool"}
+
+
+def pool_container(command: list[str] | None) -> Any:
+    built: dict[str, Any] = {"name": "sandbox", "image": "busybox:1.36"}
+    if command is not None:
+        built["command"] = command
+    built["env"] = [{"name": "LEASEKEEPER_LEASE_ID", "value": "01jpool"},
+                    {"name": "LEASEKEEPER_RUN_DIR", "value": "/run/leasekeeper"},
+                    {"name": "A", "value": "1"}]
+    built["envFrom"] = [{"secretRef": {"name": "lk-01jpool-env", "optional": False}}]
+    built["volumeMounts"] = [{"name": "leasekeeper-run", "mountPath": "/run/leasekeeper"}]
+    built["resources"] = {"requests": {"cpu": "250m", "memory": "512Mi"},
+                          "limits": {"cpu": "2", "memory": "4Gi"}}
+    return built
+
+
+RUN_VOLUME = {"name": "leasekeeper-run", "emptyDir": {"medium": "Memory", "sizeLimit": "4Mi"}}
+
+
+def test_a_pool_members_sandbox_is_the_whole_manifest_with_its_run_directory() -> None:
+    # given a pool member (its spec's env may not shadow the run directory's variable)
+    manifest = build_sandbox(POOL_IDENTITY,
+                             spec(env={"A": "1", "LEASEKEEPER_RUN_DIR": "/elsewhere"}),
+                             DEFAULTS, NOW)
+    # then the pod template mounts a memory-backed emptyDir at the run directory, names it
+    # in the environment, and every object carries the pool's label
+    assert manifest == {
+        "apiVersion": "agents.x-k8s.io/v1beta1",
+        "kind": "Sandbox",
+        "metadata": {"name": "lk-01jpool", "namespace": "sandboxes",
+                     "labels": {**POOL_LABELS, "leasekeeper.dev/backend": "sandbox-cr"},
+                     "annotations": POOL_ANNOTATIONS},
+        "spec": {
+            "podTemplate": {
+                "metadata": {"labels": {**POOL_LABELS, "leasekeeper.dev/backend": "sandbox-cr",
+                                        "leasekeeper.dev/role": "sandbox"},
+                             "annotations": POOL_ANNOTATIONS},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "containers": [pool_container(IDLE_COMMAND)],
+                    "volumes": [RUN_VOLUME],
+                },
+            },
+            "shutdownTime": "2026-01-02T04:14:05Z",
+            "shutdownPolicy": "Delete",
+        },
+    }
+
+
+def test_a_pool_members_job_is_the_whole_manifest_with_its_run_directory() -> None:
+    manifest = build_job(POOL_IDENTITY, spec(env={"A": "1"}, command=["agent"]), DEFAULTS)
+    assert manifest == {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "lk-01jpool", "namespace": "sandboxes",
+                     "labels": {**POOL_LABELS, "leasekeeper.dev/backend": "job"},
+                     "annotations": POOL_ANNOTATIONS},
+        "spec": {
+            "backoffLimit": 0,
+            "activeDeadlineSeconds": 3600,
+            "ttlSecondsAfterFinished": 900,
+            "template": {
+                "metadata": {"labels": {**POOL_LABELS, "leasekeeper.dev/backend": "job",
+                                        "leasekeeper.dev/role": "sandbox"},
+                             "annotations": POOL_ANNOTATIONS},
+                "spec": {
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "containers": [pool_container(["agent"])],
+                    "restartPolicy": "Never",
+                    "volumes": [RUN_VOLUME],
+                },
+            },
+        },
+    }
+
+
+def test_a_pool_members_secret_holds_the_bootstrap_token_alone() -> None:
+    owner = OwnerRef("batch/v1", "Job", "lk-01jpool", "uid-1")
+    manifest = build_secret(POOL_IDENTITY, spec(secret_env={"API_KEY": SecretStr("s3cret")}),
+                            DEFAULTS, Backend.JOB, "tok-123", owner)
+    assert manifest == {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {
+            "name": "lk-01jpool-env", "namespace": "sandboxes",
+            "labels": {**POOL_LABELS, "leasekeeper.dev/backend": "job"},
+            "annotations": POOL_ANNOTATIONS,
+            "ownerReferences": [{"apiVersion": "batch/v1", "kind": "Job", "name": "lk-01jpool",
+                                 "uid": "uid-1", "controller": True,
+                                 "blockOwnerDeletion": True}],
+        },
+        "type": "Opaque",
+        "stringData": {"LEASEKEEPER_BOOTSTRAP_TOKEN": "tok-123"},
+    }
+
+
+def test_a_pool_name_that_is_no_label_value_is_sanitised() -> None:
+    odd = LeaseIdentity(lease_id="01jpool", name="lk-01jpool", installation="prod",
+                        tenant="acme", pool="gpu/large pool")
+    labels = build_job(odd, spec(), DEFAULTS)["metadata"]["labels"]
+    assert labels["leasekeeper.dev/pool"] == label_value("gpu/large pool")
+    assert re.match(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$", labels["leasekeeper.dev/pool"])
+
+
+def test_without_a_pool_a_spec_env_named_like_the_run_directory_is_kept() -> None:
+    # leases outside pools get exactly the manifests they always did
+    manifest = build_job(IDENTITY, spec(env={"LEASEKEEPER_RUN_DIR": "/mine"}), DEFAULTS)
+    pod_spec = manifest["spec"]["template"]["spec"]
+    assert pod_spec["containers"][0]["env"][1] == {"name": "LEASEKEEPER_RUN_DIR",
+                                                   "value": "/mine"}
+    assert "volumes" not in pod_spec and "volumeMounts" not in pod_spec["containers"][0]
+    assert "leasekeeper.dev/pool" not in manifest["metadata"]["labels"]
+
+
 def test_secret_values_never_reach_the_workload_manifest() -> None:
     secret_spec = spec(secret_env={"API_KEY": SecretStr("s3cret")})
     for manifest in (build_sandbox(IDENTITY, secret_spec, DEFAULTS, NOW),
