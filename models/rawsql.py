@@ -99,6 +99,27 @@ class Change:
             raise ValueError("a transition needs at least one expected state")
 
 
+class SessionCursor:
+    """The few cursor calls RawSql makes, on a SQLAlchemy Connection (a session's): its
+    statements run in that transaction through ``exec_driver_sql``, so SQLAlchemy's
+    events, error translation and savepoints see them as any other statement."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.result = conn, None
+
+    def execute(self, statement: str, params: Mapping[str, Any] | None = None
+                ) -> SessionCursor:
+        self.result = self.conn.exec_driver_sql(statement, dict(params or {}))
+        return self
+
+    def fetchone(self) -> tuple[Any, ...] | None:
+        row = self.result.fetchone() if self.result is not None else None
+        return None if row is None else tuple(row)
+
+    def fetchall(self) -> list[tuple[Any, ...]]:
+        return [tuple(r) for r in self.result.fetchall()] if self.result is not None else []
+
+
 class RawSql:
     """The hot statements of one dialect, their parameters and their rows."""
 
