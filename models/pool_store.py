@@ -15,7 +15,7 @@ with its event (models/sweep_store.py ``move``), as everywhere in the store:
   ``UPDATE leases SET ... WHERE lease_id = (SELECT ... WHERE pool = :p AND state = 'warm'
   ORDER BY created_at LIMIT 1 FOR UPDATE SKIP LOCKED) AND state = 'warm' RETURNING ...``
   (no row locks on SQLite), and binds the run, in one transaction: two claims never get
-  the same member, and a claim never waits for another (models/pool_claim_sql.py).
+  the same member, and a claim never waits for another (models/rawsql.py).
 - :meth:`PoolStore.member_ready` / :meth:`member_failed` end a member's provisioning and
   close or count the breaker in the same transaction.
 - :meth:`PoolStore.due_drains` / :meth:`claim_drains`: warm members past ``max_age_s``,
@@ -33,11 +33,9 @@ from typing import Any, cast
 from sqlalchemy import ColumnElement, Table, func, insert, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from models import pool_claim_sql as claim_sql
-from models.schema import Lease, LeaseEvent, LeaseState, Pool, Run, utcnow
+from models.schema import Lease, LeaseEvent, LeaseRecord, LeaseState, Pool, Run, utcnow
 from models.store import LiveLeaseExists, Store
 from models.sweep_store import move
 
@@ -315,36 +313,36 @@ class PoolStore:
             return self._count_failure(s, pool, error, policy, now)
 
     # -- lease.acquire with spec.pool ----------------------------------------------------
-    def claim(self, intent: ClaimIntent, task_id: str | None) -> Lease | None:
+    def claim(self, intent: ClaimIntent, task_id: str | None) -> LeaseRecord | None:
         """The oldest warm member of the pool, now the run's (provisioning until its claim
         is delivered), bound to the run, with its event: one transaction, one statement on
-        PostgreSQL (models/pool_claim_sql.py). None when the pool has no warm member.
+        PostgreSQL (models/rawsql.py). None when the pool has no warm member.
         Raises LiveLeaseExists when the run's sandbox key already has a live lease."""
-        params = {"b_pool": intent.pool, "b_run_id": intent.run_id,
-                  "b_tenant": intent.tenant, "b_thread_id": intent.thread_id,
-                  "b_key": intent.sandbox_key, "b_reuse": intent.reuse, "b_spec": intent.spec,
-                  "b_now": utcnow(), "b_acquire_deadline_at": intent.acquire_deadline_at,
-                  "b_deadline_at": intent.deadline_at,
-                  "b_idle_timeout_s": intent.idle_timeout_s, "b_task_id": task_id,
-                  "b_reason": f"claimed from pool {intent.pool} by run {intent.run_id}"}
+        claim = {"pool": intent.pool, "run_id": intent.run_id, "tenant": intent.tenant,
+                 "thread_id": intent.thread_id, "sandbox_key": intent.sandbox_key,
+                 "reuse": intent.reuse, "spec": intent.spec,
+                 "acquire_deadline_at": intent.acquire_deadline_at,
+                 "deadline_at": intent.deadline_at, "idle_timeout_s": intent.idle_timeout_s}
+        store = self.store
         try:
-            with self.store.tx() as session:
-                row = claim_sql.take(session.connection(), self._postgres, params)
-        except IntegrityError:
+            with store.raw_tx() as cur:
+                return store.raw.claim_member(
+                    cur, claim, f"claimed from pool {intent.pool} by run {intent.run_id}",
+                    task_id, utcnow())
+        except store.dbapi.IntegrityError:
             raise LiveLeaseExists(
                 f"sandbox key {intent.sandbox_key!r} already has a live lease") from None
-        return None if row is None else Lease(**row._mapping)
 
     def activate(self, lease_id: str, run_id: str, meta: dict[str, Any],
                  idle_deadline_at: datetime, reason: str, task_id: str | None) -> bool:
         """A claimed member whose run's data was delivered: provisioning → active for that
-        run (guarded on both), its idle deadline starting now, with its event (one
-        statement on PostgreSQL). False if another worker or sweep moved it first."""
-        with self.store.tx() as session:
-            return claim_sql.activate(session.connection(), self._postgres, {
-                "b_lease_id": lease_id, "b_run_id": run_id, "b_meta": meta,
-                "b_idle": idle_deadline_at, "b_now": utcnow(), "b_task_id": task_id,
-                "b_reason": reason[:2000]})
+        run (guarded on both), its idle deadline starting now: the store's transition
+        (one statement on PostgreSQL). False if another worker or sweep moved it first."""
+        return self.store.transition(
+            lease_id, {LeaseState.PROVISIONING}, LeaseState.ACTIVE, reason, task_id,
+            guard="run_id = :g_run_id AND claimed_at IS NOT NULL",
+            guard_params={"g_run_id": run_id}, provider_meta=meta,
+            idle_deadline_at=idle_deadline_at) is not None
 
     def release(self, lease_id: str, run_id: str, reason: str, next_cleanup_at: datetime,
                 task_id: str | None) -> bool:

@@ -99,6 +99,27 @@ class Change:
             raise ValueError("a transition needs at least one expected state")
 
 
+class SessionCursor:
+    """The few cursor calls RawSql makes, on a SQLAlchemy Connection (a session's): its
+    statements run in that transaction through ``exec_driver_sql``, so SQLAlchemy's
+    events, error translation and savepoints see them as any other statement."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn, self.result = conn, None
+
+    def execute(self, statement: str, params: Mapping[str, Any] | None = None
+                ) -> SessionCursor:
+        self.result = self.conn.exec_driver_sql(statement, dict(params or {}))
+        return self
+
+    def fetchone(self) -> tuple[Any, ...] | None:
+        row = self.result.fetchone() if self.result is not None else None
+        return None if row is None else tuple(row)
+
+    def fetchall(self) -> list[tuple[Any, ...]]:
+        return [tuple(r) for r in self.result.fetchall()] if self.result is not None else []
+
+
 class RawSql:
     """The hot statements of one dialect, their parameters and their rows."""
 
@@ -224,6 +245,14 @@ class RawSql:
             return None
         return LeaseRecord(*row[1:])
 
+    # -- runs ---------------------------------------------------------------------------
+    def insert_run(self, cur: Any, run: Mapping[str, Any]) -> tuple[Any, ...] | None:
+        """Insert the run unless it exists; a row (its id) if this call inserted it."""
+        cur.execute(self.sql(_insert_run(tuple(run))),
+                    {f"r_{k}": v for k, v in run.items()})
+        row: tuple[Any, ...] | None = cur.fetchone()
+        return row
+
     # -- a new run and its lease intent ------------------------------------------------
     def start_run_with_intent(self, cur: Any, run: Mapping[str, Any],
                               lease: Mapping[str, Any], event_reason: str,
@@ -240,7 +269,7 @@ class RawSql:
         if self.pg:
             cur.execute(self.sql(_pg_start_with_intent(tuple(run), tuple(lease))), params)
             return bool(cur.fetchone()[0])
-        inserted = cur.execute(_sqlite_insert_run(tuple(run)), params).fetchone()
+        inserted = cur.execute(_insert_run(tuple(run)), params).fetchone()
         if inserted is None:
             return False
         cur.execute(_insert_lease(tuple(lease)), params)
@@ -248,6 +277,33 @@ class RawSql:
             lease["lease_id"], None, LeaseState.PROVISIONING.value)
         cur.execute(_INSERT_EVENT, params)
         return True
+
+
+    # -- a warm pool member taken by a run ---------------------------------------------
+    def claim_member(self, cur: Any, claim: Mapping[str, Any], reason: str,
+                     task_id: str | None, now: datetime) -> LeaseRecord | None:
+        """The oldest warm member of ``claim["pool"]`` made the run's (provisioning, claimed
+        now, the run's key, tenant, spec and deadlines), its event and the run's binding,
+        in the caller's transaction (one statement on PostgreSQL, where a member another
+        claim holds is skipped, never waited for). None if the pool has no warm member; a
+        live lease on the run's key raises the driver's IntegrityError."""
+        params: dict[str, Any] = {
+            **{f"c_{k}": self.param(k, v) for k, v in claim.items()},
+            "now": self.time(now), "reason": reason[:2000], "task_id": task_id,
+            "frm": LeaseState.WARM.value, "to": LeaseState.PROVISIONING.value}
+        if self.pg:
+            cur.execute(self.sql(_PG_CLAIM_MEMBER), params)
+            row = cur.fetchone()
+            return None if row is None else LeaseRecord(*row)
+        row = cur.execute(_SQLITE_CLAIM_MEMBER, params).fetchone()
+        if row is None:
+            return None
+        lease = self.lease(row)
+        params["lease_id"] = lease.lease_id
+        cur.execute(_INSERT_EVENT, params)
+        cur.execute("UPDATE runs SET lease_id = :lease_id, sandbox_key = :c_sandbox_key "
+                    "WHERE run_id = :c_run_id", params)
+        return lease
 
 
 def _flips_possible(expected: frozenset[str], to: str) -> bool:
@@ -319,7 +375,7 @@ def _pg_transition(sets: str, guard: str, final: bool, flips: bool) -> str:
 
 
 @functools.lru_cache(maxsize=16)
-def _sqlite_insert_run(columns: tuple[str, ...]) -> str:
+def _insert_run(columns: tuple[str, ...]) -> str:
     return (f"INSERT INTO runs ({', '.join(columns)}) VALUES "
             f"({', '.join(f':r_{c}' for c in columns)}) "
             "ON CONFLICT (run_id) DO NOTHING RETURNING run_id")
@@ -342,3 +398,27 @@ def _pg_start_with_intent(run_columns: tuple[str, ...], lease_columns: tuple[str
         "ev AS (INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, "
         f"task_id) SELECT lease_id, :now, NULL, '{LeaseState.PROVISIONING}', :reason, "
         ":task_id FROM lease) SELECT count(*) FROM run")
+
+
+# A claim takes the pool's oldest warm member (partial index ix_leases_warm_pool_created).
+_CLAIM_SET = (
+    f"state = '{LeaseState.PROVISIONING}', run_id = :c_run_id, tenant = :c_tenant, "
+    "thread_id = :c_thread_id, sandbox_key = :c_sandbox_key, live_key = :c_sandbox_key, "
+    "reuse = :c_reuse, spec = :c_spec, claimed_at = :now, updated_at = :now, "
+    "acquire_deadline_at = :c_acquire_deadline_at, deadline_at = :c_deadline_at, "
+    "idle_timeout_s = :c_idle_timeout_s, version = version + 1")
+_OLDEST_WARM = (f"SELECT lease_id FROM leases WHERE pool = :c_pool AND state = "
+                f"'{LeaseState.WARM}' ORDER BY created_at, lease_id LIMIT 1")
+_SQLITE_CLAIM_MEMBER = (
+    f"UPDATE leases SET {_CLAIM_SET} WHERE lease_id = ({_OLDEST_WARM}) "
+    f"AND state = '{LeaseState.WARM}' RETURNING {_RETURNING}")
+_PG_CLAIM_MEMBER = (
+    f"WITH pick AS ({_OLDEST_WARM} FOR UPDATE SKIP LOCKED), "
+    f"taken AS (UPDATE leases AS l SET {_CLAIM_SET} FROM pick "
+    f"WHERE l.lease_id = pick.lease_id AND l.state = '{LeaseState.WARM}' "
+    "RETURNING " + ", ".join(f"l.{c}" for c in LEASE_COLUMNS) + "), "
+    "ev AS (INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, task_id) "
+    "SELECT lease_id, :now, :frm, :to, :reason, :task_id FROM taken), "
+    "bound AS (UPDATE runs AS r SET lease_id = t.lease_id, sandbox_key = t.sandbox_key "
+    "FROM taken AS t WHERE r.run_id = :c_run_id) "
+    f"SELECT {_RETURNING} FROM taken")

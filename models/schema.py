@@ -189,6 +189,10 @@ class LeaseRecord:
     claimed_at: datetime | None
 
 
+# A lease as read by either path: the ORM's row, or the plain-SQL path's record.
+AnyLease = Lease | LeaseRecord
+
+
 class Run(Base):
     __tablename__ = "runs"
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from enum import StrEnum
@@ -112,8 +112,19 @@ def make_engine(url: str) -> Engine:
     # No pre-ping (a round trip per transaction): after a database restart, the first
     # statement on a dead connection fails as StoreUnavailable (retried by the task
     # policy) and SQLAlchemy invalidates the whole pool, so only that one attempt is lost.
-    return create_engine(url, pool_size=5, max_overflow=5, pool_recycle=1800,
-                         connect_args=_pg_connect_args(url))
+    engine = create_engine(url, pool_size=5, max_overflow=5, pool_recycle=1800,
+                           connect_args=_pg_connect_args(url))
+
+    @event.listens_for(engine, "checkin")
+    def _transactions_again(dbapi_conn: Any, _record: Any) -> None:
+        # A hot-path connection (autocommit, see Store._hot) back in the pool, however it
+        # got there (its thread ended, say), must not give a session autocommit: a
+        # session's SELECT ... FOR UPDATE would lock nothing past its own statement.
+        if getattr(dbapi_conn, "autocommit", False):
+            with contextlib.suppress(Exception):  # a dead connection: the pool drops it
+                dbapi_conn.autocommit = False
+
+    return engine
 
 
 def _pg_connect_args(url: str) -> dict[str, Any]:
@@ -139,7 +150,7 @@ class Store:
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._skip_locked = self.engine.dialect.name == "postgresql"
         self.raw = RawSql(self.engine.dialect.name)
-        self._dbapi: Any = self.engine.dialect.dbapi
+        self.dbapi: Any = self.engine.dialect.dbapi  # the driver module, for its errors
         self._local = threading.local()
 
     def dispose(self) -> None:
@@ -209,7 +220,7 @@ class Store:
         autocommit (its own transaction: one round trip, no BEGIN/COMMIT). Errors are
         translated as in :meth:`tx`; the driver's IntegrityError passes through (after
         the rollback) for the caller to decide."""
-        dbapi = self._dbapi
+        dbapi = self.dbapi
         hot = self._hot()
         try:
             if not self.raw.pg:
@@ -309,21 +320,26 @@ class Store:
     def start_run(
         self, run_id: str, thread_id: str | None, provider: str, sandbox_key: str
     ) -> Run:
-        """Insert the run if it is new; return the stored row either way (idempotent)."""
-        runs = _RUNS
-        try:
-            with self.tx() as s:
-                row = s.execute(select(*runs.c).where(runs.c.run_id == run_id)).one_or_none()
-                if row is None:
-                    row = s.execute(insert(runs).values(
-                        run_id=run_id, thread_id=thread_id, status=RunStatus.RUNNING,
-                        provider=provider, sandbox_key=sandbox_key,
-                    ).returning(*runs.c)).one()
-            return Run(**row._mapping)
-        except IntegrityError:  # a concurrent insert of the same run won
-            run = self.get_run(run_id)
-            assert run is not None
-            return run
+        """Insert the run if it is new; return the stored row either way (idempotent):
+        one ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` (plain SQL: every acquire that
+        is not a new run's own sandbox starts here), a read only if the run existed."""
+        now = utcnow()
+        with self.raw_tx() as cur:
+            row = self.raw.insert_run(cur, {
+                "run_id": run_id, "thread_id": thread_id, "status": RunStatus.RUNNING.value,
+                "provider": provider, "sandbox_key": sandbox_key,
+                "started_at": self.raw.time(now), "cancel_requested": False,
+                "reclaim_due": False})
+        if row is not None:
+            return Run(run_id=run_id, thread_id=thread_id, status=RunStatus.RUNNING,
+                       provider=provider, sandbox_key=sandbox_key, started_at=now,
+                       cancel_requested=False, reclaim_due=False, exit_code=None,
+                       lease_id=None, finished_at=None, detached_since=None, error=None,
+                       reclaim_claimed_until=None, reclaim_outcome=None, reclaimed_at=None)
+        run = self.get_run(run_id)
+        if run is None:  # deleted behind the store's back between the two: insert it now
+            return self.start_run(run_id, thread_id, provider, sandbox_key)
+        return run
 
     def bind_run(self, run_id: str, lease_id: str, sandbox_key: str) -> None:
         with self.tx() as s:
@@ -424,7 +440,7 @@ class Store:
                 if not self.raw.start_run_with_intent(
                         cur, run, lease, f"intent recorded for run {run_id}", task_id, now):
                     return None
-        except self._dbapi.IntegrityError:
+        except self.dbapi.IntegrityError:
             raise LiveLeaseExists(
                 f"sandbox key {new.sandbox_key!r} already has a live lease") from None
         return LeaseRecord(**{**lease, "backend": None, "live_key": new.sandbox_key,
@@ -440,6 +456,9 @@ class Store:
         reason: str,
         task_id: str | None = None,
         first_end_reason: str | None = None,
+        *,
+        guard: str = "",
+        guard_params: Mapping[str, Any] | None = None,
         **values: Any,
     ) -> LeaseRecord | None:
         """Move a lease from one of ``expected`` to ``to``; None if another worker won.
@@ -448,10 +467,11 @@ class Store:
         guarded ``UPDATE ... WHERE state = :from``, the runs a lease end settles, and the
         event, which names the state the lease really left (one statement and one round
         trip on PostgreSQL). ``first_end_reason`` sets end_reason only if the lease has
-        none. The returned LeaseRecord is detached, for reading.
+        none; ``guard`` is an extra SQL condition over the lease row (``guard_params``:
+        its parameters, named ``g_*``). The returned LeaseRecord is detached, for reading.
         """
         change = Change(lease_id, frozenset(expected), to, reason, task_id, values,
-                        first_end_reason)
+                        first_end_reason, guard, guard_params)
         with self.raw_tx() as cur:
             return self.raw.transition(cur, change, utcnow())
 

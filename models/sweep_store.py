@@ -22,7 +22,7 @@ from sqlalchemy import ColumnElement, Table, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from models.rawsql import Change
+from models.rawsql import Change, SessionCursor
 from models.schema import (
     FINAL_STATES,
     TERMINAL_RUN_STATUSES,
@@ -89,7 +89,7 @@ def move(s: Session, store: Store, lease_id: str, frm: str, to: LeaseState, reas
     """One guarded state change inside ``s`` (the store's own plain-SQL transition, on the
     session's connection: the same statements as every task's); True if this caller won.
     ``guard`` is an extra SQL condition over the lease row, with ``guard_params``."""
-    cursor = s.connection().connection.cursor()
+    cursor = SessionCursor(s.connection())
     change = Change(lease_id, frozenset({frm}), to, reason, task_id, values,
                     guard=guard, guard_params=guard_params)
     return store.raw.transition(cursor, change, utcnow()) is not None

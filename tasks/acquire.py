@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from models.schema import Lease, LeaseRecord, LeaseState, RunStatus, utcnow
+from models.schema import AnyLease, LeaseState, RunStatus, utcnow
 from models.store import LiveLeaseExists, NewLease
 from providers.base import (
     AcquireOutcome,
@@ -208,7 +208,7 @@ def _claim(
 
 
 def _deliver_claim(
-    rt: Runtime, provider: Provider, member: Lease, run_id: str, spec: SandboxSpec,
+    rt: Runtime, provider: Provider, member: AnyLease, run_id: str, spec: SandboxSpec,
     task_id: str | None, may_retry: bool,
 ) -> Acquisition | None:
     """The claimed member gets the run's data and becomes active; None if it was not
@@ -238,7 +238,7 @@ def _deliver_claim(
 
 
 def _provision(
-    rt: Runtime, provider: Provider, lease: Lease | LeaseRecord, run_id: str, spec: SandboxSpec,
+    rt: Runtime, provider: Provider, lease: AnyLease, run_id: str, spec: SandboxSpec,
     task_id: str | None, may_retry: bool,
 ) -> Acquisition:
     store = rt.store

@@ -21,7 +21,7 @@ is never adopted half-delivered).
 from __future__ import annotations
 
 from models.pool_store import ClaimIntent, PoolStore
-from models.schema import Lease, utcnow
+from models.schema import AnyLease, LeaseRecord, utcnow
 from providers.base import Claimed, ClaimRequest, Provider
 from providers.spec import SandboxSpec
 from tasks.destroy import destroy_lease
@@ -32,7 +32,7 @@ CLAIMED_REASON = "claimed from pool"  # the start of a claimed member's activati
 
 
 def take(rt: Runtime, spec: SandboxSpec, sandbox_key: str, run_id: str, task_id: str | None
-         ) -> Lease | None:
+         ) -> LeaseRecord | None:
     """The pool's oldest warm member, now the run's; None if the pool has none warm.
     Raises LiveLeaseExists if the run's sandbox key already has a live lease."""
     assert spec.pool is not None
@@ -45,7 +45,7 @@ def take(rt: Runtime, spec: SandboxSpec, sandbox_key: str, run_id: str, task_id:
         idle_timeout_s=spec.idle_timeout_s or s.lease_idle_timeout_s), task_id)
 
 
-def deliver(rt: Runtime, provider: Provider, member: Lease, run_id: str, spec: SandboxSpec,
+def deliver(rt: Runtime, provider: Provider, member: AnyLease, run_id: str, spec: SandboxSpec,
             labels: dict[str, str]) -> Claimed:
     """The provider's claim of ``member`` for the run: resume check, then the run's data."""
     return provider.claim(handle(member), ClaimRequest(
@@ -54,7 +54,7 @@ def deliver(rt: Runtime, provider: Provider, member: Lease, run_id: str, spec: S
         timeout_s=rt.settings.resume_timeout_s))
 
 
-def activate(rt: Runtime, member: Lease, claimed: Claimed, run_id: str, task_id: str | None
+def activate(rt: Runtime, member: AnyLease, claimed: Claimed, run_id: str, task_id: str | None
              ) -> bool:
     """provisioning → active for the run; False if something else took the lease meanwhile."""
     return PoolStore(rt.store).activate(
@@ -63,7 +63,7 @@ def activate(rt: Runtime, member: Lease, claimed: Claimed, run_id: str, task_id:
         f"{CLAIMED_REASON} {member.pool} by run {run_id}: its data delivered", task_id)
 
 
-def discard(rt: Runtime, member: Lease, run_id: str, why: str, task_id: str | None) -> bool:
+def discard(rt: Runtime, member: AnyLease, run_id: str, why: str, task_id: str | None) -> bool:
     """A claimed member that was not resumable: pending_cleanup and no longer the run's, in
     one transaction, then destroyed here, as a reuse's dead sandbox is (what is left of a
     dead member is quick to remove; a failed destroy waits for sweep.retry_cleanup, and

@@ -15,10 +15,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
+from typing import Any
 
 from sqlalchemy import Connection, Engine, select, text, tuple_
 from sqlalchemy.orm import Session
 
+from models.rawsql import SessionCursor
 from models.schema import Lease, LeaseState
 from models.store import Store
 from models.sweep_store import Orphan, SweepStore
@@ -114,6 +116,11 @@ class RolledBackStore(Store):
         with Session(bind=self.conn, join_transaction_mode="create_savepoint",
                      expire_on_commit=False) as session, session.begin():
             yield session
+
+    @contextlib.contextmanager
+    def raw_tx(self) -> Iterator[Any]:
+        with self.conn.begin_nested():
+            yield SessionCursor(self.conn)
 
 
 def _orphans(sweeps: SweepStore) -> object:

@@ -5,13 +5,15 @@ with its intent is all or nothing."""
 
 from __future__ import annotations
 
+import gc
+import threading
 import uuid
 from dataclasses import fields
 from datetime import timedelta
 
 import psycopg
 import pytest
-from sqlalchemy import update
+from sqlalchemy import text, update
 
 from models.migrate import upgrade
 from models.schema import Lease, LeaseRecord, LeaseState, ReclaimOutcome, Run, RunStatus, utcnow
@@ -155,5 +157,33 @@ def test_a_dropped_connection_fails_one_call_then_reconnects(
         # and the next one works on a new connection
         assert store.transition("l1", {LeaseState.PROVISIONING}, LeaseState.ACTIVE,
                                 "ready") is not None
+    finally:
+        store.dispose()
+
+
+@pytest.mark.postgres
+def test_a_hot_connection_back_in_the_pool_gives_sessions_transactions_again(
+        postgres_server: PostgresServer) -> None:
+    """The hot path's connection is in autocommit; when its thread ends it goes back to
+    the pool, and the next session on it must get real transactions (a filler's
+    SELECT ... FOR UPDATE would otherwise lock nothing: pools overshot max_size)."""
+    url = postgres_server.create_database(f"lk_{uuid.uuid4().hex[:12]}")
+    upgrade(url)
+    store = Store(url)
+    try:
+        # given a thread that used the hot path, then ended
+        worker = threading.Thread(target=lambda: store.start_run_with_intent(
+            "run-1", new_lease("l1", "k1", "run-1"), None))
+        worker.start()
+        worker.join()
+        del worker
+        gc.collect()
+        assert store.engine.pool.checkedout() == 0
+        # when a session takes a connection from the pool (the only one there)
+        with store.tx() as s:
+            first = s.execute(text("SELECT txid_current()")).scalar()
+            second = s.execute(text("SELECT txid_current()")).scalar()
+        # then its statements share one transaction
+        assert first == second
     finally:
         store.dispose()
