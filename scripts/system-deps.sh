@@ -4,7 +4,8 @@
 # (Debian's dockerd, which scripts/dockerd.sh starts privately: no bridge, no iptables) and
 # debootstrap (the registry-free base image); prometheus (the server and promtool: the
 # metrics and alert-rule tests) and chromium with chromium-driver (the console's browser
-# test, headless); util-linux's unshare (the kubelet simulator's ServiceAccount pods).
+# test, headless); util-linux's unshare (the kubelet simulator's ServiceAccount pods);
+# busybox (the pool claim's delivery script runs under Alpine's shell and tools too).
 set -euo pipefail
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
@@ -14,6 +15,7 @@ command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 command -v unshare >/dev/null 2>&1 || need+=(util-linux)
+command -v busybox >/dev/null 2>&1 || need+=(busybox)
 [ -x /usr/sbin/dockerd ] || need+=(docker.io)
 command -v debootstrap >/dev/null 2>&1 || [ -x /usr/sbin/debootstrap ] || need+=(debootstrap)
 if [ ${#need[@]} -eq 0 ]; then
