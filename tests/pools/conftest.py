@@ -4,7 +4,6 @@ between; follow-up work recorded, and done inline when asked (provision, destroy
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -152,24 +151,3 @@ def sandboxes(rt: Runtime, provider: str = "local") -> set[str]:
     return {r.name for r in rt.provider(provider).list_managed()}
 
 
-def concurrently(calls: list[Callable[[], Any]]) -> list[Any]:
-    """Start every call at the same moment (a barrier); their results, in order."""
-    barrier = threading.Barrier(len(calls))
-    results: list[Any] = [None] * len(calls)
-    errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        barrier.wait()
-        try:
-            results[i] = calls[i]()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(120)
-    if errors:
-        raise errors[0]
-    return results

@@ -24,14 +24,13 @@ from tests.e2e.conftest import eventually
 from tests.pools.conftest import (
     WAITING_MEMBER,
     PoolRecorder,
-    concurrently,
     fill,
     members,
     pool,
     sandboxes,
     warm,
 )
-from tests.sweeps.conftest import set_lease
+from tests.sweeps.conftest import concurrently, set_lease
 from workers.runtime import Runtime
 
 pytestmark = pytest.mark.timeout(240)

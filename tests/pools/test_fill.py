@@ -20,14 +20,13 @@ from providers.spec import SandboxSpec
 from tasks.pool_fill import FillOutcome
 from tests.pools.conftest import (
     PoolRecorder,
-    concurrently,
     fill,
     members,
     pool,
     sandboxes,
     warm,
 )
-from tests.sweeps.conftest import events_to, set_lease
+from tests.sweeps.conftest import concurrently, events_to, set_lease
 from workers.runtime import Runtime
 
 pytestmark = pytest.mark.timeout(240)

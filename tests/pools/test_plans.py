@@ -7,8 +7,7 @@ The statements are the ones the real PoolStore methods execute, captured as they
 from __future__ import annotations
 
 import uuid
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
 
 import pytest
 from sqlalchemy import Connection, text
@@ -18,7 +17,7 @@ from models.pool_store import ClaimIntent, DrainRule, FillTarget, PoolStore
 from models.store import Store
 from tasks.pool_fill import breaker_policy
 from tests.services import PostgresServer
-from tests.store.history import NOW, load_history
+from tests.store.history import NOW, load_history, rolled_back
 from tests.store.test_sweep_plans import assert_index_bound, run_capturing
 from workers.settings import Settings
 
@@ -57,15 +56,10 @@ def history_url(postgres_server: PostgresServer) -> str:
 
 
 @pytest.fixture
-def conn(history_url: str) -> Any:
-    store = Store(history_url)
-    try:
-        with store.engine.connect() as connection:
-            outer = connection.begin()
-            yield connection
-            outer.rollback()
-    finally:
-        store.dispose()
+def conn(history_url: str) -> Iterator[Connection]:
+    """A connection in a transaction that is rolled back: the claims leave no trace."""
+    with rolled_back(history_url) as connection:
+        yield connection
 
 
 def _target() -> FillTarget:

@@ -103,6 +103,19 @@ def load_history(engine: Engine, rows: int) -> None:
         conn.exec_driver_sql("VACUUM ANALYZE runs")
 
 
+@contextlib.contextmanager
+def rolled_back(url: str) -> Iterator[Connection]:
+    """A connection in a transaction that is rolled back: claims made in it leave no trace."""
+    store = Store(url)
+    try:
+        with store.engine.connect() as connection:
+            outer = connection.begin()
+            yield connection
+            outer.rollback()
+    finally:
+        store.dispose()
+
+
 class RolledBackStore(Store):
     """A store whose every transaction is a savepoint inside ``conn``'s open transaction,
     so a benchmark or a plan check can claim rows and roll it all back afterwards."""

@@ -21,6 +21,7 @@ from tests.store.history import (
     RolledBackStore,
     listings,
     load_history,
+    rolled_back,
 )
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(300)]
@@ -43,14 +44,8 @@ def history_url(postgres_server: PostgresServer) -> str:
 @pytest.fixture
 def conn(history_url: str) -> Iterator[Connection]:
     """A connection in a transaction that is rolled back: the claims leave no trace."""
-    store = Store(history_url)
-    try:
-        with store.engine.connect() as connection:
-            outer = connection.begin()
-            yield connection
-            outer.rollback()
-    finally:
-        store.dispose()
+    with rolled_back(history_url) as connection:
+        yield connection
 
 
 def run_capturing(conn: Connection, history_url: str, call: Callable[[Store], object]
