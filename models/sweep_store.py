@@ -102,11 +102,13 @@ class SweepStore:
 
     def _lock(self, s: Session, table: Table, key: Any, ids: Sequence[str],
               *conditions: ColumnElement[bool]) -> list[str]:
-        """The ids still matching ``conditions``, row-locked (skipping locked) on PostgreSQL."""
+        """The ids still matching ``conditions``, row-locked (skipping locked) on PostgreSQL,
+        in the order given (the due read's: oldest first), not the index's."""
         query = select(key).where(key.in_(list(ids)), *conditions)
         if self._skip_locked:
             query = query.with_for_update(skip_locked=True)
-        return list(s.scalars(query))
+        matching = set(s.scalars(query))
+        return [i for i in ids if i in matching]
 
     # -- sweep.reap_runs ---------------------------------------------------------------
     @staticmethod

@@ -122,8 +122,9 @@ def test_flower_refuses_no_auth_and_shows_the_lifecycle_tasks(
     def names() -> set[str] | None:
         tasks = _flower(compose_stack, "/api/tasks", FLOWER_AUTH)
         seen = {str(t["name"]) for t in tasks.values()}
-        wanted = {"lease.acquire", "run.finish", "sandbox.reclaim"}
-        return seen if wanted <= seen and any(n.startswith("sweep.") for n in seen) else None
+        # beat's every-30-s finish_exited, by name: another sweep (fill_pools) may come first
+        wanted = {"lease.acquire", "run.finish", "sandbox.reclaim", "sweep.finish_exited"}
+        return seen if wanted <= seen else None
 
     # Flower only sees events sent after it started: drive one more lease through.
     acquired = _acquire(compose_stack, "compose-run-flower")
