@@ -106,13 +106,15 @@ def ks(pool_stacks: KubeStackPool) -> Iterator[KubeStack]:
         with sending_to(stack.queue):
             yield stack
     finally:
-        destroy_what_is_left(stack)
         pool_stacks.retire(stack)
+        destroy_what_is_left(stack)
 
 
 def destroy_what_is_left(ks: KubeStack) -> None:
-    """Every workload of the installation, destroyed directly (a member waiting for its run
-    polls its run directory: idle ones add up on a two-core machine)."""
+    """Once the worker stopped (nothing more created), every workload of the installation,
+    destroyed directly: a member waiting for its run polls its run directory, and idle ones
+    add up on a two-core machine."""
+    ks.worker.wait(30)
     provider = ks.env.provider
     for resource in provider.list_managed():
         provider.destroy(LeaseHandle(resource.name, resource.backend,
@@ -335,7 +337,7 @@ def test_fill_then_two_claims_each_get_their_own_member_and_data_then_destroy_al
         # the pool refills behind them, never beyond max_size
         fill(ks)
         eventually(lambda: len(members(ks, LeaseState.WARM)) == SIZE, "the refill", 90)
-    assert sampler.store_peak == SIZE  # (the sampler saw the pool full)
+    assert sampler.store_peak == sampler.api_peak == SIZE  # (it saw the pool full, twice)
     pod_uids = [ks.env.read("pod", pod_of(lease))["metadata"]["uid"]  # type: ignore[index]
                 for lease in (a, b)]
     # when the runs finish; then their sandboxes are reclaimed: every object gone
@@ -479,8 +481,8 @@ def rbac_ks(kube_stack_maker: KubeStackMaker, kube_cluster: ClusterAccess,
         with sending_to(stack.queue):
             yield stack
     finally:
-        destroy_what_is_left(stack)
         stacks.retire(stack)
+        destroy_what_is_left(stack)
         stacks.close()
 
 
