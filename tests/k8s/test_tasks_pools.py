@@ -389,9 +389,12 @@ def test_a_member_whose_pod_was_deleted_is_destroyed_and_the_next_or_a_cold_star
         ks.env.core.delete_namespaced_pod(pod_of(lease), ks.namespace, grace_period_seconds=0,
                                           _preload_content=False)
         ks.env.wait("pod", pod_of(lease), gone)
-    # when a run asks the pool
+    # when a run asks the pool, and the fill runs right after
     secret, run_id = new_secret(), rid("next")
-    result = acquire(run_id, secret, "next")
+    with MemberSampler(ks):  # (never above max_size, the dead ones' objects going meanwhile)
+        result = acquire(run_id, secret, "next")
+        fill(ks)
+        warm_members(ks, SIZE)
     # then each dead member was let go (never the run's) and destroyed, all its objects gone
     for lease in warm[:dead]:
         ended_lease = ended(ks, lease.lease_id)
