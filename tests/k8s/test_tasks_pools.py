@@ -45,7 +45,7 @@ from providers.kubernetes.manifests import (
     installation_selector,
 )
 from tasks import producer
-from tests.cluster.cluster import ClusterAccess
+from tests.cluster.cluster import ClusterAccess, KubeCluster
 from tests.cluster.fault_proxy import FaultProxy
 from tests.cluster.k8s_json import read_json
 from tests.cluster.kubeconfig import api_client_from_kubeconfig
@@ -474,6 +474,10 @@ def rbac_ks(kube_stack_maker: KubeStackMaker, kube_cluster: ClusterAccess,
     """A pool worker whose ServiceAccount may do everything deploy/'s Role grants except
     exec into pods (an RBAC-mode API server)."""
     from tests.stack import sending_to
+
+    if isinstance(kube_cluster, KubeCluster):
+        assert kube_cluster.authorization_mode == "RBAC", (
+            "this test needs an RBAC-mode API server: unset LEASEKEEPER_TEST_AUTHZ")
 
     stacks = KubeStackPool(dataclasses.replace(
         kube_stack_maker, extra_env=(("LEASEKEEPER_POOLS", declared(backend)),),
