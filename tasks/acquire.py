@@ -9,7 +9,10 @@ Order, each step one guarded transaction:
    resumable is destroyed and the next one tried; an empty pool means a cold start below;
 3. the lease *intent* (state provisioning, with the provider name it will use) is written
    before the provider creates anything, so a crash at any later point leaves a row;
-4. the provider creates or adopts the resources and waits until ready;
+4. the provider creates or adopts the resources and waits until ready; a cold start from a
+   pool (empty, or no member resumable) is made as the pool makes its members (a run
+   directory, no secret in what it creates) and given the run's data as a claim is, so the
+   pool's template, which waits for its run's data, starts the same way;
 5. provisioning → active. A failure after step 3 destroys what exists before the task
    gives up; if that destroy fails too, the lease is left pending_cleanup, never forgotten.
 """
@@ -25,9 +28,12 @@ from typing import Any
 from models.schema import AnyLease, LeaseState, RunStatus, utcnow
 from models.store import LiveLeaseExists, NewLease
 from providers.base import (
+    Acquired,
     AcquireOutcome,
     AcquireRequest,
     ClaimOutcome,
+    ClaimRequest,
+    LeaseHandle,
     Provider,
     ResumeOutcome,
 )
@@ -36,6 +42,7 @@ from providers.errors import (
     InvalidRequest,
     ProviderError,
     ProviderMismatch,
+    TerminalProviderError,
     TransientProviderError,
     is_transient,
 )
@@ -243,21 +250,27 @@ def _provision(
 ) -> Acquisition:
     store = rt.store
     lease_id = lease.lease_id
-    request = AcquireRequest(lease_id=lease_id, name=lease.provider_lease_id, spec=spec,
-                             labels=labels_for(rt, lease_id, run_id, spec),
-                             timeout_s=rt.settings.acquire_timeout_s)
+    labels = labels_for(rt, lease_id, run_id, spec)
+    # From a pool: created like a member (its secrets come with the delivery below).
+    made = spec if spec.pool is None else spec.model_copy(update={"secret_env": {}})
+    request = AcquireRequest(lease_id=lease_id, name=lease.provider_lease_id, spec=made,
+                             labels=labels, timeout_s=rt.settings.acquire_timeout_s,
+                             pool=spec.pool)
     try:
         acquired = provider.acquire(request)
+        meta = acquired.meta
+        if spec.pool is not None:
+            meta = {**meta, **_deliver_cold(rt, provider, request, acquired, run_id, spec)}
     except ProviderError as exc:
         if is_transient(exc) and may_retry:
-            raise  # the lease stays provisioning; the retry adopts what exists
+            raise  # the lease stays provisioning; the retry adopts what exists (and delivers)
         _cleanup_failed(rt, lease_id, exc, task_id)
         raise
     now = utcnow()
     active = store.transition(
         lease_id, {LeaseState.PROVISIONING}, LeaseState.ACTIVE,
         f"ready ({acquired.outcome})", task_id, backend=acquired.backend,
-        provider_meta=acquired.meta, ready_at=now,
+        provider_meta=meta, ready_at=now,
         idle_deadline_at=later(lease.idle_timeout_s),
     )
     if active is None:
@@ -277,6 +290,28 @@ def _provision(
     log.info("lease %s %s for run %s (%s %s)", lease_id, result, run_id, active.provider,
              active.provider_lease_id)
     return _acquisition(result, run_id, active)
+
+
+def _deliver_cold(rt: Runtime, provider: Provider, request: AcquireRequest, acquired: Acquired,
+                  run_id: str, spec: SandboxSpec) -> dict[str, Any]:
+    """The run's data into the run directory of the sandbox just created for it from its
+    pool's template, as a claim delivers it (idempotent: a retry delivers again); the
+    claim's meta. A sandbox that cannot take it right after its creation is an acquire
+    failure (terminal: the lease is cleaned up and the run failed with the reason)."""
+    claimed = provider.claim(
+        LeaseHandle(request.name, acquired.backend, dict(acquired.meta)),
+        ClaimRequest(lease_id=request.lease_id, run_id=run_id, tenant=spec.tenant,
+                     labels=request.labels, env=dict(spec.env),
+                     secret_env=spec.secret_values(), timeout_s=rt.settings.resume_timeout_s))
+    match claimed.outcome:
+        case ClaimOutcome.CLAIMED:
+            return dict(claimed.meta)
+        case ClaimOutcome.NOT_RESUMABLE:
+            raise TerminalProviderError(
+                f"{provider.name}: sandbox {request.name}, started cold from pool "
+                f"{spec.pool}'s template for run {run_id}, could not take the run's data "
+                f"right after its creation ({claimed.reason}); check that the template's "
+                "command keeps running until its run's data arrives, then retry the run")
 
 
 def _cleanup_failed(rt: Runtime, lease_id: str, cause: ProviderError, task_id: str | None) -> None:

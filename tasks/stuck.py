@@ -17,8 +17,9 @@ Warm pool members (tasks/pool_fill.py) are leases like any other here: an unclai
 (no run) found healthy is adopted back into its pool (warm); one whose sandbox exists but
 is not healthy (it never became ready) is destroyed and counts as a failure on its pool's
 circuit breaker. A member a run claimed but whose claim never completed (its worker died
-between the claim and the activation) is never adopted (the run's data may not have
-reached it): it is destroyed, and its run failed, as after a failed acquire.
+between the claim and the activation), or a run's sandbox started cold from a pool's
+template (its data, too, comes by a delivery), is never adopted (the run's data may not
+have reached it): it is destroyed, and its run failed, as after a failed acquire.
 
 If the acquire finishes first, its guarded transition wins and the sweep leaves it.
 """
@@ -102,6 +103,9 @@ def _reconcile(ctx: SweepContext, lease: Lease, resource: ManagedResource | None
     if unhealthy is None and lease.claimed_at is not None:
         unhealthy = (f"its claim by run {lease.run_id} did not complete (the run's data may "
                      "not have reached it)")
+    elif unhealthy is None and lease.pool is not None and lease.run_id is not None:
+        unhealthy = (f"its start for run {lease.run_id} from pool {lease.pool}'s template did "
+                     "not complete (the run's data may not have reached it)")
     if unhealthy is None and resource is not None:
         # An unclaimed member goes back to its pool; a run's lease becomes the run's.
         to = LeaseState.WARM if member else LeaseState.ACTIVE

@@ -8,10 +8,14 @@ work afterwards).
 - ``spec(i)``: backends alternate in blocks of three runs (a period of six, so each of the
   driver's eight scenarios meets both); Jobs run commands that outlive the driver's
   follow-up or exit by themselves with various codes (``sweep.finish_exited``'s work);
+  the runs the local target sends to its pool (``POOL_RUNS``) claim from a warm pool of
+  the run's backend instead (``KUBE_POOLS``: one per backend, their members waiting for
+  their run's data, drained by age during the attack);
 - ``provider_faults()``: until ``clear_faults()``, a share of the workers' creates,
   deletes, reads, lists and watches is answered 500 or 429, has its connection dropped, or
   is held: briefly (slow answers) or beyond the workers' request timeout, so the client
-  gives up on a request the API server then carries out (a lost response);
+  gives up on a request the API server then carries out (a lost response); and a share of
+  the claims' execs (the delivery of a run's data) is answered 500 or dropped;
 - ``real_resources()``: Sandboxes, Jobs, Pods and Secrets carrying the installation's label,
   listed with the admin client (not through the proxy, not through ``list_managed``), by
   workload name; a Secret or pod whose workload is gone is a resource of its own.
@@ -20,6 +24,7 @@ work afterwards).
 from __future__ import annotations
 
 import functools
+import json
 import random
 import secrets
 from collections import Counter
@@ -35,6 +40,7 @@ from providers.kubernetes.manifests import (
     SANDBOX_PLURAL,
     installation_selector,
 )
+from tests.chaos.targets import POOL_RUNS
 from tests.cluster.fault_proxy import Action, FaultProxy, Rule
 from tests.cluster.k8s_json import read_json
 from tests.cluster.waits import condition_is, gone, wait_for_object
@@ -49,6 +55,14 @@ JOB_COMMANDS: tuple[list[str], ...] = (
     ["sh", "-c", "exit 42"],  # fails at once, maybe before its acquire returns
     ["sh", "-c", "sleep 6; exit 1"],  # fails after the driver's follow-up
 )
+# A warm pool per backend, filled and claimed during the attack. Members wait for their run's
+# data (README "Warm pools on Kubernetes"), then outlive the driver's follow-up.
+WAITING_MEMBER = ["sh", "-c", 'while [ ! -e "$LEASEKEEPER_RUN_DIR/claimed" ]; do sleep 0.2; '
+                  'done; set -a; . "$LEASEKEEPER_RUN_DIR/env"; set +a; exec sleep 120']
+KUBE_POOLS = {backend: {"name": f"chaos-{backend.split('-')[0]}", "provider": "kubernetes",
+                        "backend": backend, "size": 3, "max_size": 4, "fill_batch_size": 2,
+                        "max_age_s": 20, "template": {"command": WAITING_MEMBER}}
+              for backend in ("sandbox-cr", "job")}
 # The workers give up on a request after this; HELD answers come later still.
 REQUEST_TIMEOUT_S = 4
 HELD_S = REQUEST_TIMEOUT_S + 2.0
@@ -57,6 +71,7 @@ SLOW_S = 1.5
 _KINDS = "sandboxes|jobs|secrets|pods"
 _OBJECT = rf"/(?:{_KINDS})/[^/]+$"  # one object: read, delete
 _COLLECTION = rf"/(?:{_KINDS})$"  # create (POST), list and watch (GET)
+_EXEC = r"/pods/[^/]+/exec$"  # a claim's delivery (a WebSocket upgrade: a GET)
 _WATCH = r"(?i)(?:^|&)watch=(?:true|1)"
 _NOT_WATCH = r"(?i)^(?!.*(?:^|&)watch=(?:true|1))"
 
@@ -94,6 +109,8 @@ FAULTS: tuple[tuple[str, str, str, str | None, Action, int, float, float], ...] 
     ("list dropped", "GET", _COLLECTION, _NOT_WATCH, "drop", 0, 0.0, 0.03),
     ("list slow", "GET", _COLLECTION, _NOT_WATCH, "delay", 0, SLOW_S, 0.04),
     ("watch dropped", "GET", _COLLECTION, _WATCH, "drop", 0, 0.0, 0.08),
+    ("exec 500", "GET", _EXEC, None, "status", 500, 0.0, 0.12),
+    ("exec dropped", "GET", _EXEC, None, "drop", 0, 0.0, 0.08),
 )
 
 
@@ -120,10 +137,14 @@ class KubeTarget:
             "LEASEKEEPER_KUBE_NAMESPACE": self.namespace,
             "LEASEKEEPER_INSTALLATION_ID": self.installation,
             "LEASEKEEPER_KUBE_REQUEST_TIMEOUT_S": str(REQUEST_TIMEOUT_S),
+            "LEASEKEEPER_POOLS": json.dumps(list(KUBE_POOLS.values())),
+            "LEASEKEEPER_POOL_BREAKER_BACKOFF_S": "2",
         }
 
     def spec(self, i: int) -> dict[str, Any]:
         backend = BACKENDS[(i // 3) % 2]
+        if i % 8 in POOL_RUNS:
+            return {"pool": KUBE_POOLS[backend]["name"]}
         if backend == "job":
             return {"backend": backend, "command": JOB_COMMANDS[i % len(JOB_COMMANDS)]}
         return {"backend": backend}

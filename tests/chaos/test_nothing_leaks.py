@@ -15,11 +15,13 @@ once an operator retries it; then ``leasekeeper check`` finds no record that lie
 run on an ended lease, no live lease without its run, no reclaim outcome contradicting its
 lease). The counts are printed (run with ``-s`` to see them).
 
-With a warm pool (the local target declares one): members are filled and claimed during
-the attack; at no sampled instant does the pool have more members than its max_size (in
-the store, nor among the provider's real resources), no member is ever claimed by two
-runs, a warm member is a legitimately live lease, and once beat stops and the operator
-destroys the warm members, nothing is left.
+With warm pools (the local target declares one on the fault-injecting provider; the
+kubernetes target one per backend, whose claims' execs the API server fails too): warm
+before the workload starts, members are drained, refilled and claimed during the attack;
+at no sampled instant does a pool have more members than its max_size (in the store, nor
+among the provider's real resources), no member is ever claimed by two runs, a warm
+member is a legitimately live lease, and once beat stops and the operator destroys the
+warm members, nothing is left.
 """
 
 from __future__ import annotations
@@ -207,6 +209,24 @@ class PoolWatch:
             time.sleep(0.2)
 
 
+def warm_pools(rt: Runtime, sizes: dict[str, int], timeout_s: float) -> float:
+    """Seconds until every pool in ``sizes`` had its size in warm members (beat fills them);
+    fails, saying what it saw, if that takes longer than ``timeout_s``."""
+    from models.pool_store import PoolStore
+
+    started = time.monotonic()
+    while True:
+        counts = patiently(lambda: PoolStore(rt.store).member_counts(list(sizes)), 5)
+        if counts is not None and all(counts[pool][LeaseState.WARM] >= size
+                                      for pool, size in sizes.items()):
+            return time.monotonic() - started
+        if time.monotonic() - started > timeout_s:
+            raise AssertionError(f"the pools were not warm {timeout_s}s after beat started "
+                                 f"(members by state: {counts}); see beat-chaos-*.log and "
+                                 "workers.log for sweep.fill_pools and pool.provision")
+        time.sleep(0.2)
+
+
 def claimed_twice(rt: Runtime) -> list[str]:
     """Pool members that more than one run claimed (by their history)."""
     runs: dict[str, set[str]] = {}
@@ -352,14 +372,19 @@ def test_nothing_leaks(chaos: ChaosCluster, target: ChaosTarget) -> None:
         chaos.start_worker(client)
     target.provider_faults()
     started = time.monotonic()
-    pools = PoolWatch(rt, target, {p["name"]: p["max_size"] for p in json.loads(
-        target.env.get("LEASEKEEPER_POOLS", "[]"))})
+    declared = json.loads(target.env.get("LEASEKEEPER_POOLS", "[]"))
+    pools = PoolWatch(rt, target, {p["name"]: p["max_size"] for p in declared})
     with beats(chaos.env, chaos.root, 2, interval_s=1.0, tag="chaos"):
         done = threading.Event()
-        attacker = threading.Thread(target=attack, args=(chaos, client, rng, done))
-        attacker.start()
         watcher = threading.Thread(target=pools.watch, args=(done,))
         watcher.start()
+        # The pools are warm when the traffic comes, as a deployment's are before its first
+        # runs (filled under the provider's faults already); from then on they are drained,
+        # refilled and claimed under the attack. (Refills wait on the pool lane behind every
+        # acquire: a saturated installation would otherwise never have a member to claim.)
+        prefill_s = warm_pools(rt, {p["name"]: p["size"] for p in declared}, 120)
+        attacker = threading.Thread(target=attack, args=(chaos, client, rng, done))
+        attacker.start()
         driver = Driver(client, rt, target, random.Random(seed + 1))
         with ThreadPoolExecutor(max_workers=32) as pool:
             for i in range(runs):
@@ -382,6 +407,7 @@ def test_nothing_leaks(chaos: ChaosCluster, target: ChaosTarget) -> None:
                           "attack_errors": chaos.attack_errors,
                           "provider_faults": faults, "after_convergence": books.show(),
                           "pools": {"samples": pools.samples, "runs": pool_runs(rt),
+                                    "prefilled_s": round(prefill_s, 1),
                                     "peak_members_store": dict(pools.peak_store),
                                     "peak_members_provider": dict(pools.peak_real),
                                     "max_size": pools.max_sizes},

@@ -5,7 +5,8 @@ fixtures (tests/cluster) plus
 - ``kube_stack``: a real Celery worker (tests/stack.py) whose provider is ``kubernetes``, in
   its own namespace, installation id, fault proxy, SQLite store and task queue, driven
   through the producer API the way a web backend drives it. Workers start one test ahead
-  (``KubeStackPool``), so a fresh worker per test costs no waiting;
+  (``KubeStackPool``), so a fresh worker per test costs no waiting; ``kube_stack_maker``
+  makes such stacks with other settings (warm pools) or another identity (an RBAC role);
 - ``frozen_controllers``: the controller manager stopped for a block (a stuck GC).
 """
 
@@ -214,10 +215,19 @@ class KubeStack:
         engine = sa.create_engine(self.stack.store_url)
         try:
             with engine.connect() as conn:
-                return "\n".join(str(row) for table in ("leases", "runs", "lease_events")
-                                 for row in conn.execute(sa.text(f"select * from {table}")))
+                return "\n".join(f"{table}: {row}"
+                                 for table in sa.inspect(engine).get_table_names()
+                                 for row in conn.execute(sa.text(f'select * from "{table}"')))
         finally:
             engine.dispose()
+
+    def restart_worker(self, **settings: str) -> None:
+        """Stop the worker (SIGTERM, as a deploy would), then start another with these
+        settings over the stack's (e.g. another ``LEASEKEEPER_POOLS``) and wait for it."""
+        _signal_worker(self.worker, signal.SIGTERM)
+        self.worker.wait(30)
+        self.stack.extra_env.update(settings)
+        self.worker = self.stack.start_worker(concurrency=2)
 
 
 @dataclass
@@ -278,30 +288,59 @@ def worker_env(proxy: FaultProxy, namespace: str, installation: str,
     }
 
 
-@pytest.fixture(scope="session")
-def kube_stack_pool(kube_cluster: ClusterAccess, kube_api: client.ApiClient, kubelet_sim: Any,
-                    sandbox_controller: Any, redis_server: RedisServer,
-                    tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeStackPool]:
-    from models.migrate import upgrade
-    from tests.stack import WorkerStack
+# Who the worker is on the API server: given its namespace and fault proxy, the kubeconfig it
+# uses (default: the admin token through the proxy).
+Identity = Callable[[str, FaultProxy], Path]
 
-    def make() -> KubeStack:
-        root = tmp_path_factory.mktemp("kube-stack")
-        namespace = create_namespace(kube_api)
+
+@dataclass(frozen=True)
+class KubeStackMaker:
+    """Starts ``KubeStack``s: a fresh namespace, installation id, fault proxy, SQLite store
+    and task queue each, with ``extra_env`` (e.g. ``LEASEKEEPER_POOLS``) over the
+    kubernetes-only settings, and the worker reaching the API server as ``identity`` says."""
+
+    cluster: ClusterAccess
+    admin: client.ApiClient
+    broker_url: str
+    tmp: pytest.TempPathFactory
+    extra_env: tuple[tuple[str, str], ...] = ()
+    identity: Identity | None = None
+
+    def __call__(self) -> KubeStack:
+        from models.migrate import upgrade
+        from tests.stack import WorkerStack
+
+        root = self.tmp.mktemp("kube-stack")
+        namespace = create_namespace(self.admin)
         installation = f"it-{secrets.token_hex(3)}"
         queue = f"k8s-{namespace}"
-        proxy = new_fault_proxy(kube_cluster, root / "proxy").start()
+        proxy = new_fault_proxy(self.cluster, root / "proxy").start()
+        kubeconfig = (self.identity(namespace, proxy) if self.identity
+                      else proxy.kubeconfig_path)
         store_url = f"sqlite:///{root / 'store.db'}"
         upgrade(store_url)
+        settings = {**worker_env(proxy, namespace, installation, queue),
+                    "LEASEKEEPER_KUBE_CONFIG_PATH": str(kubeconfig), **dict(self.extra_env)}
         stack = WorkerStack(name=queue, store_url=store_url, root=root,
-                            broker_url=redis_server.url,
-                            extra_env=worker_env(proxy, namespace, installation, queue))
+                            broker_url=self.broker_url, extra_env=settings)
         direct = build_kubernetes_provider(
-            provider_settings(kube_cluster.kubeconfig_path, namespace, installation))
-        env = KubeEnv(namespace, installation, proxy, kube_api, direct)
-        return KubeStack(stack, env, queue, stack.spawn_worker(concurrency=2))
+            provider_settings(self.cluster.kubeconfig_path, namespace, installation))
+        kenv = KubeEnv(namespace, installation, proxy, self.admin, direct)
+        return KubeStack(stack, kenv, queue, stack.spawn_worker(concurrency=2))
 
-    pool = KubeStackPool(make)
+
+@pytest.fixture(scope="session")
+def kube_stack_maker(kube_cluster: ClusterAccess, kube_api: client.ApiClient, kubelet_sim: Any,
+                     sandbox_controller: Any, redis_server: RedisServer,
+                     tmp_path_factory: pytest.TempPathFactory) -> KubeStackMaker:
+    """Makes kubernetes worker stacks (``dataclasses.replace`` it for other settings or
+    another identity); the cluster, its simulators and Redis are up."""
+    return KubeStackMaker(kube_cluster, kube_api, redis_server.url, tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def kube_stack_pool(kube_stack_maker: KubeStackMaker) -> Iterator[KubeStackPool]:
+    pool = KubeStackPool(kube_stack_maker)
     yield pool
     pool.close()
 

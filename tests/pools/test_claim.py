@@ -196,6 +196,57 @@ def test_an_empty_pool_means_a_cold_acquire(rt: Runtime) -> None:
     assert members(rt) == []  # a cold lease of a run is not a member
 
 
+def test_a_cold_start_from_a_pool_gets_its_runs_data_as_a_claimed_member_does(
+        runtime_with: Callable[..., Runtime]) -> None:
+    """The pool's template waits for its run's data (README "Warm pools"): a run that finds
+    the pool empty gets the same sandbox and the same delivery, or it would wait forever."""
+    import json
+
+    from tasks.acquire import AcquireResult
+
+    rt = runtime_with(pools=[pool(size=2, template={"command": WAITING_MEMBER,
+                                                    "env": {"FROM_TEMPLATE": "t"}})])
+    done = acquire(rt, "run-cold", env={"A": "1"}, secret_env={"API_TOKEN": "cold-s3cret"})
+    assert done.result == AcquireResult.ACQUIRED
+    env = seen_env(rt, done.lease_id)  # the template's command started, with the run's env
+    assert (env["API_TOKEN"], env["A"], env["FROM_TEMPLATE"]) == ("cold-s3cret", "1", "t")
+    lease = rt.store.get_lease(done.lease_id)
+    assert lease.state == LeaseState.ACTIVE and lease.claimed_at is None and lease.pool == "py"
+    assert members(rt) == [] and "cold-s3cret" not in json.dumps(lease.provider_meta)
+
+
+def test_a_cold_start_from_a_pool_stuck_before_its_delivery_is_destroyed_not_adopted(
+        runtime_with: Callable[..., Runtime]) -> None:
+    from tasks.acquire import acquire_lease
+    from tasks.stuck import StuckOutcome, stuck_provisioning
+    from tasks.sweeping import SweepContext
+
+    # given a run's sandbox created cold from the pool, whose delivery failed (as when its
+    # worker died between the two): healthy, provisioning, without the run's data
+    rt = runtime_with(pools=[pool(provider="faulty", size=2,
+                                  template={"command": WAITING_MEMBER})])
+    FaultPlan(rt.settings.faults_file).write(  # type: ignore[arg-type]
+        {"claim": [{"fault": "transient", "when": "before", "times": 1}]})
+    with pytest.raises(TransientProviderError):
+        acquire_lease(rt, "run-1", SandboxSpec(pool="py"), None, may_retry=True)
+    run = rt.store.get_run("run-1")
+    assert run is not None and run.lease_id is not None
+    lease = rt.store.get_lease(run.lease_id)
+    assert lease.state == LeaseState.PROVISIONING and lease.provider_lease_id in sandboxes(
+        rt, "faulty")
+    # when sweep.stuck_provisioning finds it past its acquire deadline
+    set_lease(rt, lease.lease_id, acquire_deadline_at=utcnow())
+    tally = stuck_provisioning(SweepContext(rt, PoolRecorder(rt, inline=True)))
+    # then it is destroyed, never adopted half-done, and its run failed
+    assert tally[StuckOutcome.DESTROY_ENQUEUED] == 1, tally
+    lease = rt.store.get_lease(lease.lease_id)
+    assert lease.state == LeaseState.DESTROYED and lease.end_reason == "acquire_stuck"
+    run = rt.store.get_run("run-1")
+    assert run is not None and run.status == RunStatus.FAILED
+    assert "from pool py's template did not complete" in (run.error or "")
+    assert lease.provider_lease_id not in sandboxes(rt, "faulty")
+
+
 def test_a_spec_must_not_ask_for_another_sandbox_than_the_pool_runs(
         runtime_with: Callable[..., Runtime]) -> None:
     rt = runtime_with(pools=[pool(template={"image": "python:3.12", "command": ["sleep",
