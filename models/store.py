@@ -40,6 +40,7 @@ from models.schema import (
     LeaseEvent,
     LeaseRecord,
     LeaseState,
+    ReclaimOutcome,
     Run,
     RunStatus,
     utcnow,
@@ -381,11 +382,24 @@ class Store:
             )
             return RunChange.CHANGED if _rowcount(result) == 1 else RunChange.UNCHANGED
 
-    def record_reclaim(self, run_id: str, outcome: str) -> None:
+    def record_reclaim(self, run_id: str, outcome: str) -> str:
+        """Record a reclaim's outcome; returns the outcome recorded. A ``destroy-failed``
+        whose lease another destroy has destroyed meanwhile is recorded ``destroyed``: the
+        lease row is read under a share lock (PostgreSQL; SQLite's write lock already
+        orders them), so either that destroy's transition comes first and is seen here, or
+        it comes after and corrects this outcome itself (models/rawsql.py)."""
         with self.tx() as s:
+            if outcome == ReclaimOutcome.DESTROY_FAILED:
+                lease_id = s.scalar(select(Run.lease_id).where(Run.run_id == run_id))
+                query = select(Lease.state).where(Lease.lease_id == lease_id)
+                if self._skip_locked:
+                    query = query.with_for_update(read=True)
+                if lease_id is not None and s.scalar(query) == LeaseState.DESTROYED:
+                    outcome = ReclaimOutcome.DESTROYED
             s.execute(update(Run).where(Run.run_id == run_id)
                       .values(reclaim_outcome=outcome, reclaimed_at=utcnow(),
                               reclaim_claimed_until=None))
+        return outcome
 
     # -- leases ------------------------------------------------------------------------
     def create_intent(self, new: NewLease, task_id: str | None) -> Lease:

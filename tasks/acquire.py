@@ -32,7 +32,6 @@ from providers.base import (
     AcquireOutcome,
     AcquireRequest,
     ClaimOutcome,
-    ClaimRequest,
     LeaseHandle,
     Provider,
     ResumeOutcome,
@@ -222,7 +221,8 @@ def _deliver_claim(
     resumable (it is let go and destroyed)."""
     labels = labels_for(rt, member.lease_id, run_id, spec)
     try:
-        claimed = pool_claim.deliver(rt, provider, member, run_id, spec, labels)
+        claimed = pool_claim.deliver(rt, provider, handle(member), member.lease_id, run_id,
+                                     spec, labels)
     except ProviderError as exc:
         if is_transient(exc) and may_retry:
             raise  # the member stays the run's, provisioning: the retry delivers again
@@ -298,11 +298,9 @@ def _deliver_cold(rt: Runtime, provider: Provider, request: AcquireRequest, acqu
     pool's template, as a claim delivers it (idempotent: a retry delivers again); the
     claim's meta. A sandbox that cannot take it right after its creation is an acquire
     failure (terminal: the lease is cleaned up and the run failed with the reason)."""
-    claimed = provider.claim(
-        LeaseHandle(request.name, acquired.backend, dict(acquired.meta)),
-        ClaimRequest(lease_id=request.lease_id, run_id=run_id, tenant=spec.tenant,
-                     labels=request.labels, env=dict(spec.env),
-                     secret_env=spec.secret_values(), timeout_s=rt.settings.resume_timeout_s))
+    claimed = pool_claim.deliver(
+        rt, provider, LeaseHandle(request.name, acquired.backend, dict(acquired.meta)),
+        request.lease_id, run_id, spec, request.labels)
     match claimed.outcome:
         case ClaimOutcome.CLAIMED:
             return dict(claimed.meta)

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from models.pool_store import ClaimIntent, PoolStore
 from models.schema import AnyLease, LeaseRecord, utcnow
-from providers.base import Claimed, ClaimRequest, Provider
+from providers.base import Claimed, ClaimRequest, LeaseHandle, Provider
 from providers.spec import SandboxSpec
 from tasks.destroy import destroy_lease
-from tasks.leases import handle, later
+from tasks.leases import later
 from workers.runtime import Runtime
 
 CLAIMED_REASON = "claimed from pool"  # the start of a claimed member's activation event
@@ -45,11 +45,12 @@ def take(rt: Runtime, spec: SandboxSpec, sandbox_key: str, run_id: str, task_id:
         idle_timeout_s=spec.idle_timeout_s or s.lease_idle_timeout_s), task_id)
 
 
-def deliver(rt: Runtime, provider: Provider, member: AnyLease, run_id: str, spec: SandboxSpec,
-            labels: dict[str, str]) -> Claimed:
-    """The provider's claim of ``member`` for the run: resume check, then the run's data."""
-    return provider.claim(handle(member), ClaimRequest(
-        lease_id=member.lease_id, run_id=run_id, tenant=spec.tenant, labels=labels,
+def deliver(rt: Runtime, provider: Provider, target: LeaseHandle, lease_id: str, run_id: str,
+            spec: SandboxSpec, labels: dict[str, str]) -> Claimed:
+    """The provider's claim of the sandbox at ``target`` (a member, or a cold start made
+    from its pool's template) for the run: resume check, then the run's data."""
+    return provider.claim(target, ClaimRequest(
+        lease_id=lease_id, run_id=run_id, tenant=spec.tenant, labels=labels,
         env=dict(spec.env), secret_env=spec.secret_values(),
         timeout_s=rt.settings.resume_timeout_s))
 

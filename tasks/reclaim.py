@@ -100,7 +100,10 @@ def reclaim_run(rt: Runtime, run_id: str, task_id: str | None) -> Reclaimed:
             # Abandoned between our read and our claim, or by this attempt at the cap.
             return _abandoned(rt, run_id, run.sandbox_key, lease.lease_id)
         case DestroyResult.CLEANUP_PENDING:
-            _record(rt, Reclaimed(run_id, ReclaimOutcome.DESTROY_FAILED, lease.lease_id))
+            recorded = _record(rt, Reclaimed(run_id, ReclaimOutcome.DESTROY_FAILED,
+                                             lease.lease_id))
+            if recorded.outcome == ReclaimOutcome.DESTROYED:
+                return recorded
             log.error("reclaim: destroy failed for run %s; the sandbox may still be running. "
                       "Lease %s is pending_cleanup and sweep.retry_cleanup will retry it: %s",
                       run_id, lease.lease_id, done.error)
@@ -111,14 +114,22 @@ def reclaim_run(rt: Runtime, run_id: str, task_id: str | None) -> Reclaimed:
 def _abandoned(rt: Runtime, run_id: str, sandbox_key: str, lease_id: str) -> Reclaimed:
     """The run's lease is abandoned: a possible leak, reported as one, never as success."""
     cause = rt.store.get_lease(lease_id).last_error or "its cleanup gave up"
-    _record(rt, Reclaimed(run_id, ReclaimOutcome.DESTROY_FAILED, lease_id, "lease abandoned"))
+    recorded = _record(rt, Reclaimed(run_id, ReclaimOutcome.DESTROY_FAILED, lease_id,
+                                     "lease abandoned"))
+    if recorded.outcome == ReclaimOutcome.DESTROYED:
+        return recorded
     error = SandboxReclaimFailedError.of(run_id, sandbox_key, lease_id, cause, abandoned=True)
     log.error("reclaim: run %s: %s", run_id, error)
     raise error
 
 
 def _record(rt: Runtime, reclaimed: Reclaimed) -> Reclaimed:
-    rt.store.record_reclaim(reclaimed.run_id, reclaimed.outcome)
+    """Record the outcome; what was recorded: a destroy-failed whose lease another task
+    destroyed meanwhile is destroyed (Store.record_reclaim)."""
+    recorded = ReclaimOutcome(rt.store.record_reclaim(reclaimed.run_id, reclaimed.outcome))
+    if recorded != reclaimed.outcome:
+        reclaimed = Reclaimed(reclaimed.run_id, recorded, reclaimed.lease_id,
+                              "destroyed by another task meanwhile")
     log.info("reclaim: run %s %s", reclaimed.run_id, reclaimed.outcome)
     return reclaimed
 

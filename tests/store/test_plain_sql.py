@@ -187,3 +187,21 @@ def test_a_hot_connection_back_in_the_pool_gives_sessions_transactions_again(
         assert first == second
     finally:
         store.dispose()
+
+
+def test_a_failed_reclaim_recorded_after_its_lease_was_destroyed_is_destroyed(
+        store: Store) -> None:
+    """Two reclaims of one run race: one's destroy fails, the other's (or a retry's)
+    succeeds and its transition finds nothing to correct yet; the failure recorded after
+    it must not leave ``destroy-failed`` on a destroyed lease (the chaos proof's check
+    caught it)."""
+    store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), None)
+    store.transition("l1", {LeaseState.PROVISIONING}, LeaseState.DESTROYING, "destroy")
+    store.transition("l1", {LeaseState.DESTROYING}, LeaseState.DESTROYED, "destroyed")
+    assert store.record_reclaim("run-1", ReclaimOutcome.DESTROY_FAILED) == "destroyed"
+    run = store.get_run("run-1")
+    assert run is not None and run.reclaim_outcome == ReclaimOutcome.DESTROYED
+    # a failure on a lease still waiting for cleanup stays a failure
+    store.start_run_with_intent("run-2", new_lease("l2", "k2", "run-2"), None)
+    store.transition("l2", {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP, "failed")
+    assert store.record_reclaim("run-2", ReclaimOutcome.DESTROY_FAILED) == "destroy-failed"
