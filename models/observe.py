@@ -20,6 +20,7 @@ from typing import Any, cast
 from sqlalchemy import Table, delete, func, insert, select
 
 from models.reports import LeaseFilter as LeaseQuery
+from models.reports import Page, lease_page
 from models.schema import (
     TERMINAL_RUN_STATUSES,
     Lease,
@@ -222,10 +223,7 @@ class Observe:
             return int(s.scalar(select(func.max(_P.c.id))) or 0)
 
     # -- the console's pages --------------------------------------------------------------
-    def lease_page(self, flt: LeaseFilter, before: str | None, limit: int) -> list[Lease]:
-        """Newest first, ``limit`` leases with ``lease_id < before`` (keyset pagination)."""
-        query = flt.query().apply(select(Lease).order_by(Lease.lease_id.desc()).limit(limit))
-        if before:
-            query = query.where(Lease.lease_id < before)
-        with self.store.tx() as s:
-            return list(s.scalars(query))
+    def lease_page(self, flt: LeaseFilter, before: str | None, limit: int) -> Page[Lease]:
+        """Newest first, ``limit`` leases with ``lease_id < before``: the CLI's listing
+        (models/reports.py), uncounted (the console shows counts by state instead)."""
+        return lease_page(self.store, flt.query(), limit, before, counted=False)

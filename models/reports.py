@@ -1,7 +1,13 @@
-"""Read-only queries for the operator CLI (`leasekeeper status`, `leases list`, `runs list`).
+"""Read-only queries for the operator CLI and the console (`leasekeeper status`, `leases
+list`, `runs list`, the console's lease pages).
 
-Every list is bounded (``limit``, ``offset``; newest first) and counted in the same
-transaction, so no command ever loads every row. Nothing here writes.
+Every list is a keyset page, newest first: ``limit`` rows (at most MAX_LIMIT) after the
+last row of the previous page, named by its id (``before``), never an offset, so the
+hundredth page costs what the first does at any history size. Leases are listed by id
+(lease ids begin with their creation time in milliseconds: models/schema.py), runs by
+``(started_at, run_id)``. The total is counted in the same transaction up to COUNT_CAP
+rows (``total_capped`` says there are more): an exact count of a million-row history
+would cost more than the page. Nothing here writes.
 """
 
 from __future__ import annotations
@@ -10,12 +16,15 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Generic, TypeVar
 
-from sqlalchemy import Select, func, select
+from sqlalchemy import Select, func, literal, select, tuple_
+from sqlalchemy.orm import Session
 
 from models.schema import Lease, LeaseState, Run
 from models.store import Store
+from providers.errors import NotFound
 
 MAX_LIMIT = 1000
+COUNT_CAP = 10_000
 T = TypeVar("T")
 
 
@@ -44,29 +53,49 @@ class LeaseFilter:
 @dataclass(frozen=True)
 class Page(Generic[T]):
     rows: list[T]
-    total: int
     limit: int
-    offset: int
+    total: int  # rows matching the filter, counted up to COUNT_CAP
+    total_capped: bool  # more than COUNT_CAP match
+    next_before: str | None  # the id to pass as ``before`` for the next page
 
     @property
-    def next_offset(self) -> int | None:
-        after = self.offset + len(self.rows)
-        return after if after < self.total else None
+    def total_text(self) -> str:
+        return f"{self.total:,}+" if self.total_capped else f"{self.total:,}"
 
 
-def lease_page(store: Store, where: LeaseFilter, limit: int, offset: int = 0) -> Page[Lease]:
-    limit = min(max(limit, 1), MAX_LIMIT)
+def _capped_count(s: Session, matching: Select[Any]) -> tuple[int, bool]:
+    """How many rows ``matching`` selects, counted up to COUNT_CAP (and whether more)."""
+    limited = matching.limit(COUNT_CAP + 1).subquery()
+    found = int(s.scalar(select(func.count()).select_from(limited)) or 0)
+    return min(found, COUNT_CAP), found > COUNT_CAP
+
+
+def _limit(limit: int) -> int:
+    return min(max(limit, 1), MAX_LIMIT)
+
+
+def lease_page(store: Store, where: LeaseFilter, limit: int, before: str | None = None,
+               counted: bool = True) -> Page[Lease]:
+    """Leases matching ``where``, newest first, ``limit`` of them with an id below
+    ``before`` (the previous page's ``next_before``); ``counted=False`` skips the total."""
+    limit = _limit(limit)
+    query = where.apply(select(Lease)).order_by(Lease.lease_id.desc()).limit(limit + 1)
+    if before is not None:
+        query = query.where(Lease.lease_id < before)
     with store.tx() as s:
-        total = int(s.scalar(where.apply(select(func.count()).select_from(Lease))) or 0)
-        rows = list(s.scalars(where.apply(select(Lease))
-                              .order_by(Lease.created_at.desc(), Lease.lease_id.desc())
-                              .limit(limit).offset(offset)))
-    return Page(rows, total, limit, offset)
+        rows = list(s.scalars(query))
+        total, capped = (_capped_count(s, where.apply(select(literal(1)).select_from(Lease)))
+                         if counted else (0, False))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return Page(rows, limit, total, capped, rows[-1].lease_id if more else None)
 
 
 def run_page(store: Store, statuses: tuple[str, ...], thread_id: str | None, limit: int,
-             offset: int = 0) -> Page[Run]:
-    limit = min(max(limit, 1), MAX_LIMIT)
+             before: str | None = None) -> Page[Run]:
+    """Runs, newest first (by start), ``limit`` of them started before the run
+    ``before`` (the previous page's ``next_before``); NotFound if there is no such run."""
+    limit = _limit(limit)
 
     def where(query: Select[Any]) -> Select[Any]:
         if statuses:
@@ -75,12 +104,19 @@ def run_page(store: Store, statuses: tuple[str, ...], thread_id: str | None, lim
             query = query.where(Run.thread_id == thread_id)
         return query
 
+    query = where(select(Run)).order_by(Run.started_at.desc(), Run.run_id.desc())
     with store.tx() as s:
-        total = int(s.scalar(where(select(func.count()).select_from(Run))) or 0)
-        rows = list(s.scalars(where(select(Run)).order_by(Run.started_at.desc(),
-                                                          Run.run_id.desc())
-                              .limit(limit).offset(offset)))
-    return Page(rows, total, limit, offset)
+        if before is not None:
+            started = s.scalar(select(Run.started_at).where(Run.run_id == before))
+            if started is None:
+                raise NotFound(f"no run {before[:64]!r} to list runs before; pass the run id "
+                               "the previous page named (--before)")
+            query = query.where(tuple_(Run.started_at, Run.run_id) < tuple_(started, before))
+        rows = list(s.scalars(query.limit(limit + 1)))
+        total, capped = _capped_count(s, where(select(literal(1)).select_from(Run)))
+    more = len(rows) > limit
+    rows = rows[:limit]
+    return Page(rows, limit, total, capped, rows[-1].run_id if more else None)
 
 
 @dataclass(frozen=True)

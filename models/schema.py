@@ -128,12 +128,12 @@ class Lease(Base):
     pool: Mapped[str | None] = mapped_column(String(63))
     claimed_at: Mapped[datetime | None]  # when a run claimed it from its pool
 
-    # Listings (newest first, optionally by state) and each sweep's read are index range
-    # scans in the order they read, whatever the history's size (bench/sweeps.py). The
-    # partial indexes hold only the few rows in their state, so they cost writes only there.
+    # Listings (newest first by id: ids begin with their creation time; optionally by
+    # state or tenant) and each sweep's read are index range scans in the order they read,
+    # whatever the history's size (bench/sweeps.py). The partial indexes hold only the few
+    # rows in their state, so they cost writes only there. Every index is written by every
+    # state change (the state is in most of them): none is here that no query needs.
     __table_args__ = (
-        Index("ix_leases_created", "created_at", "lease_id"),
-        Index("ix_leases_state_created", "state", "created_at", "lease_id"),
         Index("ix_leases_active_deadline", "deadline_at", **in_state("active")),
         Index("ix_leases_active_idle_deadline", "idle_deadline_at", **in_state("active")),
         Index("ix_leases_provisioning_deadline", "acquire_deadline_at", "lease_id",
@@ -141,8 +141,8 @@ class Lease(Base):
         Index("ix_leases_destroying_updated", "updated_at", **in_state("destroying")),
         Index("ix_leases_pending_cleanup_created", "created_at", "lease_id",
               **in_state("pending_cleanup")),
-        # The metrics' counts by state x provider x tenant and the console's filtered,
-        # keyset-paginated lists (workers/metrics, workers/console).
+        # The metrics' counts by state x provider x tenant, and the filtered keyset pages
+        # of `leases list` and the console (models/reports.py).
         Index("ix_leases_state_provider_tenant", "state", "provider", "tenant"),
         Index("ix_leases_state_lease_id", "state", "lease_id"),
         Index("ix_leases_tenant_lease_id", "tenant", "lease_id"),
@@ -220,6 +220,8 @@ class Run(Base):
         # sweep.reap_runs' lost reclaims: only the runs whose reclaim has no outcome yet.
         Index("ix_runs_reclaim_pending", "finished_at", **where(UNRECLAIMED)),
         Index("ix_runs_reclaimed_at", "reclaimed_at"),
+        # `runs list`: newest first, keyset pages (models/reports.py)
+        Index("ix_runs_started", "started_at", "run_id"),
     )
 
 

@@ -24,6 +24,7 @@ from models.schema import utcnow
 from providers.errors import BrokerUnavailable, LeasekeeperError, NotFound, StoreUnavailable
 
 if TYPE_CHECKING:
+    from models.reports import Page
     from workers.runtime import Runtime
 
 
@@ -154,3 +155,25 @@ def parse_duration(text: str, option: str) -> timedelta:
         raise typer.BadParameter(f"{text!r} is not a duration; use e.g. 90s, 15m, 2h or 1d",
                                  param_hint=option)
     return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def check_option_id(option: str, value: str) -> str:
+    """An id given on the command line (a lease or run id), in the id format."""
+    from providers.spec import check_id
+
+    try:
+        return check_id(option.lstrip("-"), value)
+    except ValueError as exc:
+        raise typer.BadParameter(str(exc), param_hint=option) from None
+
+
+def page_json(kind: str, rows: list[dict[str, Any]], page: Page[Any]) -> dict[str, Any]:
+    """A listing page as JSON: its rows, the (capped) total and the next page's cursor."""
+    return {kind: rows, "limit": page.limit, "total": page.total,
+            "total_capped": page.total_capped, "next_before": page.next_before}
+
+
+def page_footer(page: Page[Any], noun: str) -> str:
+    """'50 of 10,000+ lease(s); next page: --before <id>'."""
+    more = f"; next page: --before {page.next_before}" if page.next_before else ""
+    return f"{len(page.rows)} of {page.total_text} {noun}{more}"

@@ -17,8 +17,11 @@ from models.schema import Lease, LeaseEvent, LeaseState, Run, utcnow
 from workers.cli_common import (
     ExitCode,
     age,
+    check_option_id,
     emit_json,
     iso,
+    page_footer,
+    page_json,
     parse_duration,
     require_broker,
     runtime,
@@ -39,7 +42,9 @@ PoolOpt = Annotated[str | None, typer.Option(
 OlderOpt = Annotated[str | None, typer.Option(
     "--older-than", help="Only leases created longer ago than this (90s, 15m, 2h, 1d).")]
 LimitOpt = Annotated[int, typer.Option(min=1, max=1000, help="At most this many rows.")]
-OffsetOpt = Annotated[int, typer.Option(min=0, help="Skip this many rows (next page).")]
+BeforeOpt = Annotated[str | None, typer.Option(
+    "--before", metavar="ID",
+    help="The next page: rows listed after this id (what the previous page printed).")]
 
 
 def register(cli: typer.Typer) -> None:
@@ -73,14 +78,14 @@ def event_json(event: LeaseEvent) -> dict[str, Any]:
 @leases_cli.command("list")
 def leases_list(state: StateOpt = None, provider: ProviderOpt = None, tenant: TenantOpt = None,
                 older_than: OlderOpt = None, pool: PoolOpt = None, limit: LimitOpt = 50,
-                offset: OffsetOpt = 0, as_json: JsonOpt = False) -> None:
-    """List leases, newest first, a page at a time."""
+                before: BeforeOpt = None, as_json: JsonOpt = False) -> None:
+    """List leases, newest first, a page at a time (--before for the next page)."""
+    if before is not None:
+        check_option_id("--before", before)
     page = lease_page(runtime().store, _filter(state, provider, tenant, older_than, pool),
-                      limit, offset)
+                      limit, before)
     if as_json:
-        emit_json({"leases": [lease_json(x) for x in page.rows], "total": page.total,
-                   "limit": page.limit, "offset": page.offset,
-                   "next_offset": page.next_offset})
+        emit_json(page_json("leases", [lease_json(x) for x in page.rows], page))
         return
     now = utcnow()
     typer.echo(table(
@@ -88,8 +93,7 @@ def leases_list(state: StateOpt = None, provider: ProviderOpt = None, tenant: Te
          "end reason", "attempts"],
         [[x.lease_id, x.state, x.provider, x.tenant, x.pool, x.run_id, x.created_at,
           age(x.created_at, now), x.end_reason, x.cleanup_attempts] for x in page.rows]))
-    more = (f"; next page: --offset {page.next_offset}" if page.next_offset is not None else "")
-    typer.echo(f"{len(page.rows)} of {page.total} lease(s){more}")
+    typer.echo(page_footer(page, "lease(s)"))
 
 
 MIN_PREFIX = 8
@@ -182,7 +186,7 @@ def leases_destroy(
             raise typer.BadParameter("give a lease id, or --state (and other filters) with "
                                      "--yes", param_hint="--state")
         targets = lease_page(rt.store, _filter(state, provider, tenant, older_than),
-                             limit).rows
+                             limit, counted=False).rows
         if not yes:
             typer.echo(table(["lease", "state", "provider", "created"],
                              [[x.lease_id, x.state, x.provider, x.created_at]

@@ -10,8 +10,17 @@ import typer
 from models.reports import run_page
 from models.schema import RunStatus, utcnow
 from providers.errors import NotFound
-from workers.cli_common import age, emit_json, iso, runtime, table
-from workers.cli_leases import JsonOpt, LimitOpt, OffsetOpt, lease_json, run_json
+from workers.cli_common import (
+    age,
+    check_option_id,
+    emit_json,
+    iso,
+    page_footer,
+    page_json,
+    runtime,
+    table,
+)
+from workers.cli_leases import BeforeOpt, JsonOpt, LimitOpt, lease_json, run_json
 
 runs_cli = typer.Typer(no_args_is_help=True, help="Inspect runs.")
 STATUSES = [s.value for s in RunStatus]
@@ -26,18 +35,18 @@ def runs_list(
     status: Annotated[list[str] | None, typer.Option(
         help=f"Only runs with this status (repeatable): {', '.join(STATUSES)}.")] = None,
     thread: Annotated[str | None, typer.Option(help="Only runs of this thread.")] = None,
-    limit: LimitOpt = 50, offset: OffsetOpt = 0, as_json: JsonOpt = False,
+    limit: LimitOpt = 50, before: BeforeOpt = None, as_json: JsonOpt = False,
 ) -> None:
-    """List runs, newest first, a page at a time."""
+    """List runs, newest first, a page at a time (--before for the next page)."""
     unknown = sorted(set(status or []) - set(STATUSES))
     if unknown:
         raise typer.BadParameter(f"unknown status(es) {', '.join(unknown)}; known: "
                                  f"{', '.join(STATUSES)}", param_hint="--status")
-    page = run_page(runtime().store, tuple(status or ()), thread, limit, offset)
+    if before is not None:
+        check_option_id("--before", before)
+    page = run_page(runtime().store, tuple(status or ()), thread, limit, before)
     if as_json:
-        emit_json({"runs": [run_json(r) for r in page.rows], "total": page.total,
-                   "limit": page.limit, "offset": page.offset,
-                   "next_offset": page.next_offset})
+        emit_json(page_json("runs", [run_json(r) for r in page.rows], page))
         return
     now = utcnow()
     typer.echo(table(["run", "status", "exit", "thread", "provider", "lease", "started", "age",
@@ -45,8 +54,7 @@ def runs_list(
                      [[r.run_id, r.status, r.exit_code, r.thread_id, r.provider, r.lease_id,
                        r.started_at, age(r.started_at, now), r.detached_since,
                        r.reclaim_outcome] for r in page.rows]))
-    more = (f"; next page: --offset {page.next_offset}" if page.next_offset is not None else "")
-    typer.echo(f"{len(page.rows)} of {page.total} run(s){more}")
+    typer.echo(page_footer(page, "run(s)"))
 
 
 @runs_cli.command("show")

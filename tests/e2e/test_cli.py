@@ -37,10 +37,15 @@ def test_the_operator_cli_on_a_live_stack(stack: WorkerStack) -> None:
 
     # leases list: filters, a page at a time, newest first.
     page = cli_json(stack, "leases", "list", "--tenant", tenant, "--limit", "1")
-    assert (page["total"], page["limit"], page["next_offset"]) == (2, 1, 1)
+    assert (page["total"], page["total_capped"], page["limit"], page["next_before"]) == (
+        2, False, 1, leases[1])
     assert [x["lease_id"] for x in page["leases"]] == [leases[1]]
-    rest = cli_json(stack, "leases", "list", "--tenant", tenant, "--limit", "1", "--offset", "1")
-    assert [x["lease_id"] for x in rest["leases"]] == [leases[0]] and rest["next_offset"] is None
+    rest = cli_json(stack, "leases", "list", "--tenant", tenant, "--limit", "1", "--before",
+                    page["next_before"])
+    assert [x["lease_id"] for x in rest["leases"]] == [leases[0]] and rest["next_before"] is None
+    assert "next page: --before " + leases[1] in cli(stack, "leases", "list", "--tenant",
+                                                      tenant, "--limit", "1")
+    cli(stack, "leases", "list", "--before", "no good", code=2)
     assert cli_json(stack, "leases", "list", "--tenant", tenant, "--state", "destroyed")[
         "total"] == 0
     assert cli_json(stack, "leases", "list", "--tenant", tenant, "--older-than", "1d")[

@@ -17,11 +17,12 @@ from collections.abc import Callable, Iterator
 from datetime import datetime, timedelta
 from typing import Any
 
-from sqlalchemy import Connection, Engine, select, text, tuple_
+from sqlalchemy import Connection, Engine, text
 from sqlalchemy.orm import Session
 
 from models.rawsql import SessionCursor
-from models.schema import Lease, LeaseState
+from models.reports import LeaseFilter, lease_page, run_page
+from models.schema import LeaseState, RunStatus
 from models.store import Store
 from models.sweep_store import Orphan, SweepStore
 
@@ -160,23 +161,23 @@ SWEEP_READS_AND_CLAIMS: dict[str, Callable[[SweepStore], object]] = {
 }
 
 
-def list_page(store: Store, state: str | None = None,
-              before: tuple[datetime, str] | None = None, limit: int = 50) -> list[Lease]:
-    """One page of a lease listing, newest first, after the keyset cursor ``before``."""
-    query = select(Lease).order_by(Lease.created_at.desc(), Lease.lease_id.desc()).limit(limit)
-    if state is not None:
-        query = query.where(Lease.state == state)
-    if before is not None:
-        query = query.where(tuple_(Lease.created_at, Lease.lease_id) < tuple_(*before))
-    with store.tx() as s:
-        return list(s.scalars(query))
-
-
 def listings(rows: int) -> dict[str, Callable[[Store], object]]:
-    middle = (NOW - timedelta(seconds=rows // 2), f"l{rows // 2:010d}")
+    """The real `leases list` / `runs list` pages (models/reports.py), counted as the CLI
+    counts them: the first page, a page at mid history, pages filtered by a rare state."""
+    middle = rows // 2
     return {
-        "leases_list.first_page": list_page,
-        "leases_list.page_mid_history": lambda st: list_page(st, before=middle),
-        "leases_list.abandoned_first_page": lambda st: list_page(st, LeaseState.ABANDONED),
-        "leases_list.active_first_page": lambda st: list_page(st, LeaseState.ACTIVE),
+        "leases_list.first_page": lambda st: lease_page(st, LeaseFilter(), 50),
+        "leases_list.page_mid_history": lambda st: lease_page(
+            st, LeaseFilter(), 50, before=f"l{middle:010d}"),
+        "leases_list.abandoned_first_page": lambda st: lease_page(
+            st, LeaseFilter(states=(LeaseState.ABANDONED,)), 50),
+        "leases_list.active_first_page": lambda st: lease_page(
+            st, LeaseFilter(states=(LeaseState.ACTIVE,)), 50),
+        "leases_list.tenant_first_page": lambda st: lease_page(
+            st, LeaseFilter(tenant="default"), 50),
+        "runs_list.first_page": lambda st: run_page(st, (), None, 50),
+        "runs_list.page_mid_history": lambda st: run_page(
+            st, (), None, 50, before=f"r{middle:010d}"),
+        "runs_list.running_first_page": lambda st: run_page(
+            st, (RunStatus.RUNNING,), None, 50),
     }

@@ -167,15 +167,13 @@ def build_app(settings: Settings, store: Store, user: str, password: str,
                 check_id("before", before)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
-        rows = await run_in_threadpool(observe.lease_page, flt, before, page_size + 1)
+        page = await run_in_threadpool(observe.lease_page, flt, before, page_size)
         counts = await run_in_threadpool(observe.counts_by_state)
         counts[LeaseState.DESTROYED] = await run_in_threadpool(destroyed_count.get)
-        more = len(rows) > page_size
-        rows = rows[:page_size]
         params = {k: v for k, v in request.query_params.items() if k != "before" and v}
-        next_url = (f"/leases?{urlencode({**params, 'before': rows[-1].lease_id})}"
-                    if more and rows else None)
-        return render(request, "leases.html", leases=rows, counts=counts, flt=flt,
+        next_url = (f"/leases?{urlencode({**params, 'before': page.next_before})}"
+                    if page.next_before else None)
+        return render(request, "leases.html", leases=page.rows, counts=counts, flt=flt,
                       params=params, next_url=next_url)
 
     async def lease(request: Request) -> Response:
@@ -190,8 +188,8 @@ def build_app(settings: Settings, store: Store, user: str, password: str,
     async def attention(request: Request) -> Response:
         groups = {}
         for state in ATTENTION_STATES:
-            groups[state] = await run_in_threadpool(
-                observe.lease_page, LeaseFilter(state=state), None, page_size)
+            groups[state] = (await run_in_threadpool(
+                observe.lease_page, LeaseFilter(state=state), None, page_size)).rows
         return render(request, "attention.html", groups=groups, actions=ACTIONS)
 
     async def confirm(request: Request) -> Response:
