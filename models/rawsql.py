@@ -9,9 +9,15 @@ cache keys and ORM units of work cost about ten times what the database does for
   transaction, which holds the write lock, so what they read cannot change under them.
 - PostgreSQL (every statement is a round trip): ONE statement per state change, sent in
   autocommit, so a change, its event and its runs' settlement cost one round trip. The
-  row is locked (``FOR UPDATE``) and the state re-checked in the same statement; data-
-  modifying CTEs see each other's ``RETURNING`` rows, never each other's writes, which is
-  why each CTE reads ``moved`` rather than the table.
+  guarded ``UPDATE ... WHERE state = ANY(:expected)`` is the lock: a concurrent change
+  makes it wait, then re-check its WHERE on the newest row version, so two workers never
+  both move a lease. Data-modifying CTEs see each other's ``RETURNING`` rows, never each
+  other's writes, which is why each CTE reads ``moved`` rather than the table.
+
+Either way a change sets ``prev_state = state`` in its SET, which reads the row being
+replaced, so the event names the state really left without a read first; a change that
+moves nothing costs one more read, to tell "not in an expected state" from "no such
+lease".
 
 The same functions run inside a SQLAlchemy session's transaction (the sweeps), on the
 session's own DBAPI connection, so there is one implementation of a state change.
@@ -186,9 +192,15 @@ class RawSql:
         return self._transition_sqlite(cur, change, params)
 
     def _set_clause(self, change: Change) -> str:
-        live = "sandbox_key" if change.to in LIVE_STATES else "NULL"
-        sets = ["state = :to", "updated_at = :now", "version = version + 1",
-                f"live_key = {live}"]
+        """SET of a change: ``prev_state`` from the row being replaced (SET reads the old
+        row on both databases), and ``live_key`` only when liveness can change (on SQLite
+        an UPDATE maintains only the indexes of the columns it sets)."""
+        live_to = change.to in LIVE_STATES
+        sets = ["prev_state = state", "state = :to", "updated_at = :now",
+                "version = version + 1"]
+        if "sandbox_key" in change.values or any(
+                (state in LIVE_STATES) != live_to for state in change.expected):
+            sets.append(f"live_key = {'sandbox_key' if live_to else 'NULL'}")
         sets += [f"{k} = :v_{k}" for k in sorted(change.values)]
         if change.first_end_reason is not None and "end_reason" not in change.values:
             sets.append("end_reason = COALESCE(end_reason, :first_end_reason)")
@@ -196,26 +208,14 @@ class RawSql:
 
     def _transition_sqlite(self, cur: Any, change: Change, params: dict[str, Any]
                            ) -> LeaseRecord | None:
-        if len(change.expected) == 1:
-            (frm,) = change.expected
-        else:
-            found = cur.execute("SELECT state FROM leases WHERE lease_id = :lease_id",
-                                params).fetchone()
-            if found is None:
-                raise NotFound(f"no lease {change.lease_id!r} in the store")
-            frm = found[0]
-            if frm not in change.expected:
-                return None
-        params["frm"] = frm
         guard = f" AND ({change.guard})" if change.guard else ""
-        row = cur.execute(_sqlite_update(self._set_clause(change), guard), params).fetchone()
+        statement = _sqlite_update(self._set_clause(change), _quoted(change.expected), guard)
+        row = cur.execute(statement, params).fetchone()
         if row is None:
-            if cur.execute("SELECT 1 FROM leases WHERE lease_id = :lease_id",
-                           params).fetchone() is None:
-                raise NotFound(f"no lease {change.lease_id!r} in the store")
-            return None
+            return self._missed(cur, change, params)
         lease = self.lease(row)
-        to = str(change.to)
+        frm, to = lease.prev_state, str(change.to)
+        params["frm"] = frm
         if to in FINAL_STATES:
             params["error"] = f"its lease {change.lease_id} ended: {lease.end_reason or to}"
             cur.execute(_SQLITE_ABORT_RUNS, params)
@@ -229,6 +229,13 @@ class RawSql:
         cur.execute(_INSERT_EVENT, params)
         return lease
 
+    def _missed(self, cur: Any, change: Change, params: dict[str, Any]) -> None:
+        """A change that moved nothing: the lease is not in an expected state (another
+        worker won, or the guard failed): None; or there is no such lease: NotFound."""
+        if cur.execute(self.sql("SELECT 1 FROM leases WHERE lease_id = :lease_id"),
+                       params).fetchone() is None:
+            raise NotFound(f"no lease {change.lease_id!r} in the store")
+
     def _transition_pg(self, cur: Any, change: Change, params: dict[str, Any]
                        ) -> LeaseRecord | None:
         params["reason"] = change.reason[:2000]
@@ -240,10 +247,8 @@ class RawSql:
         cur.execute(self.sql(statement), params)
         row = cur.fetchone()
         if row is None:
-            raise NotFound(f"no lease {change.lease_id!r} in the store")
-        if not row[0]:  # the lease exists, but not in an expected state (or guarded)
-            return None
-        return LeaseRecord(*row[1:])
+            return self._missed(cur, change, params)
+        return LeaseRecord(*row)
 
     # -- runs ---------------------------------------------------------------------------
     def insert_run(self, cur: Any, run: Mapping[str, Any]) -> tuple[Any, ...] | None:
@@ -322,23 +327,20 @@ _SQLITE_FLIP_RUNS = ("UPDATE runs SET reclaim_outcome = :becomes, reclaimed_at =
 
 
 @functools.lru_cache(maxsize=128)
-def _sqlite_update(sets: str, guard: str) -> str:
-    return (f"UPDATE leases SET {sets} WHERE lease_id = :lease_id AND state = :frm{guard} "
-            f"RETURNING {_RETURNING}")
+def _sqlite_update(sets: str, expected: str, guard: str) -> str:
+    return (f"UPDATE leases SET {sets} WHERE lease_id = :lease_id AND state IN ({expected})"
+            f"{guard} RETURNING {_RETURNING}")
 
 
 @functools.lru_cache(maxsize=128)
 def _pg_transition(sets: str, guard: str, final: bool, flips: bool) -> str:
-    """One statement: lock and read the row, move it if its state is expected (and the
-    guard holds), settle its runs, append the event; one row back: (moved?, new row)."""
+    """One statement: move the row if its state is expected (and the guard holds; an
+    UPDATE's WHERE is evaluated again on the newest row version if another transaction
+    changed it meanwhile), settle its runs, append the event naming ``prev_state``, the
+    state the UPDATE replaced; the new row, or no row if nothing moved."""
     ctes = [
-        "cur AS (SELECT lease_id, state FROM leases WHERE lease_id = :lease_id FOR UPDATE)",
-        # SET's right-hand sides name only columns cur lacks: they are the lease row's.
-        f"moved AS (UPDATE leases AS l SET {sets} FROM cur "
-        f"WHERE l.lease_id = cur.lease_id AND l.state = cur.state "
-        f"AND cur.state = ANY(:expected){guard} "
-        f"RETURNING cur.state AS from_state, "
-        + ", ".join(f"l.{c}" for c in LEASE_COLUMNS) + ")",
+        f"moved AS (UPDATE leases SET {sets} WHERE lease_id = :lease_id "
+        f"AND state = ANY(:expected){guard} RETURNING {_RETURNING})",
     ]
     note = "''"
     if final:
@@ -352,7 +354,7 @@ def _pg_transition(sets: str, guard: str, final: bool, flips: bool) -> str:
         # destroyed: destroy-failed -> destroyed; from destroyed: destroyed -> destroy-failed
         was = (f"CASE WHEN :to = '{LeaseState.DESTROYED}' "
                f"THEN '{ReclaimOutcome.DESTROY_FAILED}' "
-               f"WHEN m.from_state = '{LeaseState.DESTROYED}' "
+               f"WHEN m.prev_state = '{LeaseState.DESTROYED}' "
                f"THEN '{ReclaimOutcome.DESTROYED}' END")
         becomes = (f"CASE WHEN :to = '{LeaseState.DESTROYED}' THEN "
                    f"'{ReclaimOutcome.DESTROYED}' ELSE '{ReclaimOutcome.DESTROY_FAILED}' END")
@@ -366,12 +368,9 @@ def _pg_transition(sets: str, guard: str, final: bool, flips: bool) -> str:
                 "FROM flipped AS f), '')")
     ctes.append(
         "ev AS (INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, "
-        f"task_id) SELECT m.lease_id, :now, m.from_state, :to, left(:reason || {note}, 2000), "
+        f"task_id) SELECT m.lease_id, :now, m.prev_state, :to, left(:reason || {note}, 2000), "
         ":task_id FROM moved AS m)")
-    # One row while the lease exists: its moved columns, or NULLs if it did not move.
-    return ("WITH " + ", ".join(ctes) + " SELECT m.lease_id IS NOT NULL, "
-            + ", ".join(f"m.{c}" for c in LEASE_COLUMNS)
-            + " FROM cur LEFT JOIN moved AS m ON true")
+    return "WITH " + ", ".join(ctes) + f" SELECT {_RETURNING} FROM moved"
 
 
 @functools.lru_cache(maxsize=16)
@@ -402,7 +401,8 @@ def _pg_start_with_intent(run_columns: tuple[str, ...], lease_columns: tuple[str
 
 # A claim takes the pool's oldest warm member (partial index ix_leases_warm_pool_created).
 _CLAIM_SET = (
-    f"state = '{LeaseState.PROVISIONING}', run_id = :c_run_id, tenant = :c_tenant, "
+    f"prev_state = state, state = '{LeaseState.PROVISIONING}', run_id = :c_run_id, "
+    "tenant = :c_tenant, "
     "thread_id = :c_thread_id, sandbox_key = :c_sandbox_key, live_key = :c_sandbox_key, "
     "reuse = :c_reuse, spec = :c_spec, claimed_at = :now, updated_at = :now, "
     "acquire_deadline_at = :c_acquire_deadline_at, deadline_at = :c_deadline_at, "

@@ -23,7 +23,6 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     DateTime,
-    ForeignKey,
     Index,
     Integer,
     MetaData,
@@ -127,6 +126,10 @@ class Lease(Base):
     # The warm pool it is a member of, or that its run asked for (see the module's doc).
     pool: Mapped[str | None] = mapped_column(String(63))
     claimed_at: Mapped[datetime | None]  # when a run claimed it from its pool
+    # The state its last change left: a state change sets it from the row it replaces, in
+    # the same UPDATE, so the change's event names the state really left without a locked
+    # read first (models/rawsql.py).
+    prev_state: Mapped[str | None] = mapped_column(String(32))
 
     # Listings (newest first by id: ids begin with their creation time; optionally by
     # state or tenant) and each sweep's read are index range scans in the order they read,
@@ -187,6 +190,7 @@ class LeaseRecord:
     version: int
     pool: str | None
     claimed_at: datetime | None
+    prev_state: str | None
 
 
 # A lease as read by either path: the ORM's row, or the plain-SQL path's record.
@@ -226,10 +230,16 @@ class Run(Base):
 
 
 class LeaseEvent(Base):
+    """One state change of a lease: written by the statement (PostgreSQL) or transaction
+    (SQLite) that makes the change, from the row it changed, so it always names a lease
+    that exists. No foreign key: its check was a lookup of the lease (and, on PostgreSQL,
+    a trigger and a row lock) on every event of every change, to prove what the writing
+    statement already guarantees; nothing deletes leases but an operator by hand."""
+
     __tablename__ = "lease_events"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    lease_id: Mapped[str] = mapped_column(ForeignKey("leases.lease_id"), index=True)
+    lease_id: Mapped[str] = mapped_column(String(64), index=True)
     at: Mapped[datetime] = mapped_column(default=utcnow)
     from_state: Mapped[str | None] = mapped_column(String(32))
     to_state: Mapped[str] = mapped_column(String(32))

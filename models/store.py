@@ -488,7 +488,7 @@ class Store:
         return LeaseRecord(**{**lease, "backend": None, "live_key": new.sandbox_key,
                               "ready_at": None, "idle_deadline_at": None,
                               "next_cleanup_at": None, "end_reason": None,
-                              "last_error": None, "claimed_at": None})
+                              "last_error": None, "claimed_at": None, "prev_state": None})
 
     def transition(
         self,

@@ -6,6 +6,7 @@ with its intent is all or nothing."""
 from __future__ import annotations
 
 import gc
+import itertools
 import threading
 import uuid
 from dataclasses import fields
@@ -205,3 +206,36 @@ def test_a_failed_reclaim_recorded_after_its_lease_was_destroyed_is_destroyed(
     store.start_run_with_intent("run-2", new_lease("l2", "k2", "run-2"), None)
     store.transition("l2", {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP, "failed")
     assert store.record_reclaim("run-2", ReclaimOutcome.DESTROY_FAILED) == "destroy-failed"
+
+
+def test_racing_changes_leave_a_history_where_each_event_starts_where_the_last_ended(
+        store: Store) -> None:
+    # given an active lease, and threads racing to move it along different edges (each
+    # on its own connection: PostgreSQL makes a loser wait, then re-check the newest row)
+    store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), None)
+    store.transition("l1", {LeaseState.PROVISIONING}, LeaseState.ACTIVE, "ready")
+    edges = [({LeaseState.ACTIVE, LeaseState.PENDING_CLEANUP}, LeaseState.DESTROYING),
+             ({LeaseState.ACTIVE, LeaseState.DESTROYING}, LeaseState.PENDING_CLEANUP),
+             ({LeaseState.DESTROYING, LeaseState.PENDING_CLEANUP}, LeaseState.ACTIVE)]
+    barrier = threading.Barrier(6)
+
+    def race(expected: set[LeaseState], to: LeaseState) -> None:
+        barrier.wait()
+        for _ in range(15):
+            store.transition("l1", expected, to, f"to {to}")
+
+    threads = [threading.Thread(target=race, args=edges[i % 3]) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    # then every event names the state the one before it reached: no change is lost or
+    # told twice, whoever won each race
+    events = store.events("l1")
+    assert len(events) > 3
+    assert all(a.to_state == b.from_state for a, b in itertools.pairwise(events))
+    lease = store.get_lease("l1")
+    assert lease.state == events[-1].to_state and lease.prev_state == events[-1].from_state
+    assert lease.version == len(events)  # every move, and only the moves, counted
+    # and the live key followed liveness through it all
+    assert lease.live_key == ("k1" if lease.state == LeaseState.ACTIVE else None)
