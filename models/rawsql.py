@@ -212,7 +212,8 @@ class RawSql:
         statement = _sqlite_update(self._set_clause(change), _quoted(change.expected), guard)
         row = cur.execute(statement, params).fetchone()
         if row is None:
-            return self._missed(cur, change, params)
+            self._missed(cur, change, params)
+            return None
         lease = self.lease(row)
         frm, to = lease.prev_state, str(change.to)
         params["frm"] = frm
@@ -247,7 +248,8 @@ class RawSql:
         cur.execute(self.sql(statement), params)
         row = cur.fetchone()
         if row is None:
-            return self._missed(cur, change, params)
+            self._missed(cur, change, params)
+            return None
         return LeaseRecord(*row)
 
     # -- runs ---------------------------------------------------------------------------
