@@ -159,8 +159,10 @@ class SandboxSpec(BaseModel):
         return data
 
     def to_payload(self) -> dict[str, Any]:
-        """The JSON payload for a task message (secrets in clear: only for the broker)."""
-        data = self.model_dump(mode="json", exclude_none=True)
+        """The JSON payload for a task message (secrets in clear: only for the broker): the
+        fields that differ from their defaults, so a default spec is ``{}`` (the worker
+        fills the defaults in; messages, task events and Flower's views stay small)."""
+        data = self.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
         if self.secret_env:
             data["secret_env"] = self.secret_values()
         return data

@@ -287,7 +287,8 @@ def _provision(
         )
     result = (AcquireResult.ADOPTED if acquired.outcome == AcquireOutcome.ADOPTED
               else AcquireResult.ACQUIRED)
-    log.info("lease %s %s for run %s (%s %s)", lease_id, result, run_id, active.provider,
+    # DEBUG: Celery's own INFO line for the task's success carries the same result.
+    log.debug("lease %s %s for run %s (%s %s)", lease_id, result, run_id, active.provider,
              active.provider_lease_id)
     return _acquisition(result, run_id, active)
 

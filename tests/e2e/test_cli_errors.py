@@ -163,3 +163,45 @@ def test_db_upgrade_with_postgres_down_names_the_address_without_the_password(
     err = short_error(done, "cannot migrate the store", f"127.0.0.1:{port}",
                       "LEASEKEEPER_STORE_URL")
     assert "secret-pw" not in err
+
+
+def test_a_broker_lost_between_two_sends_fails_each_send_as_broker_unavailable(
+        tmp_path: Path) -> None:
+    # Sends within a second of one that reached the broker skip their PING; a broker lost
+    # meanwhile must still fail those sends as BrokerUnavailable, never leave Celery's
+    # result consumer in its "must be restarted" state (a RuntimeError after 5 s).
+    import subprocess
+    import sys
+
+    from tests.services import start_redis
+
+    port = free_port()
+    redis = start_redis(tmp_path / "redis", port)
+    probe = (
+        "import os, signal\n"
+        "from tasks import producer\n"
+        "from providers.errors import BrokerUnavailable\n"
+        "producer.acquire_lease('run-1', {'tenant': 'acme'})\n"
+        "producer.destroy_lease('0123456789abcdef')\n"
+        "os.kill(int(os.environ['REDIS_PID']), signal.SIGKILL)\n"
+        "import time; time.sleep(0.2)\n"
+        "for _ in range(3):\n"
+        "    try:\n"
+        "        producer.destroy_lease('0123456789abcdef')\n"
+        "        print('sent')\n"
+        "    except BrokerUnavailable as exc:\n"
+        "        print('unavailable', exc)\n"
+    )
+    try:
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                              env=cli_env(LEASEKEEPER_BROKER_URL=f"redis://127.0.0.1:{port}/0",
+                                          LEASEKEEPER_VAR_DIR=str(tmp_path),
+                                          REDIS_PID=str(redis.proc.pid)),
+                              timeout=90, check=False)
+    finally:
+        redis.stop()
+    assert done.returncode == 0, done.stdout + done.stderr
+    answers = done.stdout.splitlines()
+    assert [a.split()[0] for a in answers] == ["unavailable"] * 3, done.stdout + done.stderr
+    assert all("LEASEKEEPER_BROKER_URL" in a for a in answers)
+    assert "Traceback" not in done.stderr

@@ -36,7 +36,7 @@ def test_a_worker_logs_json_lines_with_task_ids_to_a_rotating_file(
                             "LEASEKEEPER_LOG_FILE_BACKUPS": "9"})
     try:
         stack.start_worker(concurrency=1)
-        for i in range(4):
+        for i in range(8):
             lease = acquire.apply_async(kwargs={"run_id": f"{queue}-{i}", "spec": {
                 "tenant": "acme", "secret_env": {"TOKEN": SECRET}}}, queue=queue).get(120)
             destroy.apply_async(kwargs={"lease_id": lease["lease_id"]}, queue=queue).get(120)
