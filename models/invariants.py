@@ -11,6 +11,9 @@ Each rule is a read-only query; a row it returns is a record that does not tell 
   warm, or being drained) than its ``max_size`` (only for the pools given);
 - ``unreclaimed-ephemeral-lease``: a run finished more than the claim timeout ago, yet its
   own (not reused) lease is still provisioning or active: nobody is reclaiming it;
+- ``run-without-lease``: a run has said running with no lease for longer than any acquire
+  can be alive without recording one (``leaseless_grace_s``): nobody will give it one
+  (``sweep.reap_runs`` fails such runs);
 - ``reclaim-outcome-mismatch``: the run's reclaim outcome contradicts its lease's state
   (``destroyed`` but the lease is not; ``destroy-failed`` but the lease is destroyed or
   live; ``not-found`` while the lease, last bound to this very run, is abandoned).
@@ -50,6 +53,7 @@ class Rule(StrEnum):
     LIVE_LEASE_WITHOUT_RUN = "live-lease-without-run"
     POOL_OVER_MAX_SIZE = "pool-over-max-size"
     UNRECLAIMED_EPHEMERAL_LEASE = "unreclaimed-ephemeral-lease"
+    RUN_WITHOUT_LEASE = "run-without-lease"
     RECLAIM_OUTCOME_MISMATCH = "reclaim-outcome-mismatch"
 
 
@@ -68,9 +72,11 @@ class Violation:
 
 
 def check(store: Store, now: datetime, claim_timeout_s: float,
-          pool_max_sizes: Mapping[str, int] | None = None) -> list[Violation]:
+          pool_max_sizes: Mapping[str, int] | None = None,
+          leaseless_grace_s: float | None = None) -> list[Violation]:
     """Every violation in the store now, rule by rule, oldest first (one transaction).
-    ``pool_max_sizes``: the declared pools' max_size by name."""
+    ``pool_max_sizes``: the declared pools' max_size by name; ``leaseless_grace_s``:
+    settings.leaseless_run_grace_s (None: that rule is not checked)."""
     found: list[Violation] = []
     both = Run.__table__.join(Lease.__table__, Lease.lease_id == Run.lease_id)
     with store.tx() as s:
@@ -113,6 +119,17 @@ def check(store: Store, now: datetime, claim_timeout_s: float,
                 Rule.UNRECLAIMED_EPHEMERAL_LEASE, lease_id, run_id,
                 f"run {status} at {finished_at and finished_at.isoformat()}Z, more than "
                 f"{claim_timeout_s:g}s ago, but its ephemeral lease is still {state}"))
+
+        if leaseless_grace_s is not None:
+            since = now - timedelta(seconds=leaseless_grace_s)
+            for run_id, started_at in s.execute(
+                    select(Run.run_id, Run.started_at)
+                    .where(Run.status == RunStatus.RUNNING, Run.lease_id.is_(None),
+                           Run.started_at <= since).order_by(Run.started_at)):
+                found.append(Violation(
+                    Rule.RUN_WITHOUT_LEASE, None, run_id,
+                    f"running since {started_at.isoformat()}Z with no lease, over "
+                    f"{leaseless_grace_s:g}s: its acquire will not give it one"))
 
         contradictions = or_(
             and_(Run.reclaim_outcome == ReclaimOutcome.DESTROYED,

@@ -79,6 +79,7 @@ class ReclaimOutcome(StrEnum):
 
 
 UNRECLAIMED = "reclaim_due IS TRUE AND reclaim_outcome IS NULL"
+LEASELESS = "status = 'running' AND lease_id IS NULL"
 
 
 def where(predicate: str) -> dict[str, Any]:
@@ -226,6 +227,8 @@ class Run(Base):
         Index("ix_runs_reclaimed_at", "reclaimed_at"),
         # `runs list`: newest first, keyset pages (models/reports.py)
         Index("ix_runs_started", "started_at", "run_id"),
+        # sweep.reap_runs' runs whose acquire never recorded a lease (almost always empty)
+        Index("ix_runs_leaseless", "started_at", **where(LEASELESS)),
     )
 
 

@@ -397,6 +397,17 @@ class Store:
             )
             return RunChange.CHANGED if _rowcount(result) == 1 else RunChange.UNCHANGED
 
+    def fail_leaseless_run(self, run_id: str, error: str) -> RunChange:
+        """Fail the run if it is still running with no lease: its acquire gave up before
+        recording one (a run with a lease is settled by what happens to that lease)."""
+        with self.tx() as s:
+            result = s.execute(
+                update(Run).where(Run.run_id == run_id, Run.status == RunStatus.RUNNING,
+                                  Run.lease_id.is_(None))
+                .values(status=RunStatus.FAILED, finished_at=utcnow(), reclaim_due=False,
+                        error=error[:2000]))
+            return RunChange.CHANGED if _rowcount(result) == 1 else RunChange.UNCHANGED
+
     def set_detached(self, run_id: str, detached: bool) -> RunChange:
         with self.tx() as s:
             if s.get(Run, run_id) is None:
@@ -449,8 +460,12 @@ class Store:
                     lease_id=new.lease_id, at=now, from_state=None,
                     to_state=LeaseState.PROVISIONING,
                     reason=f"intent recorded for run {new.run_id}", task_id=task_id))
-                s.execute(update(_RUNS).where(_RUNS.c.run_id == new.run_id)
-                          .values(lease_id=new.lease_id, sandbox_key=new.sandbox_key))
+                bound = s.execute(update(_RUNS).where(_RUNS.c.run_id == new.run_id,
+                                                      _RUNS.c.status == RunStatus.RUNNING)
+                                  .values(lease_id=new.lease_id, sandbox_key=new.sandbox_key))
+                if _rowcount(bound) != 1:  # failed meanwhile (sweep.reap_runs): write nothing
+                    raise InvalidRequest(f"run {new.run_id} is no longer running; start a "
+                                         "new run to get a sandbox")
         except IntegrityError:
             raise LiveLeaseExists(
                 f"sandbox key {new.sandbox_key!r} already has a live lease"

@@ -95,6 +95,10 @@ def move(s: Session, store: Store, lease_id: str, frm: str, to: LeaseState, reas
     return store.raw.transition(cursor, change, utcnow()) is not None
 
 
+LEASELESS_ERROR = ("its acquire never recorded a lease (the acquire gave up, or its message "
+                   "was lost); no sandbox was made for it: start a new run")
+
+
 class SweepStore:
     def __init__(self, store: Store) -> None:
         self.store = store
@@ -200,6 +204,34 @@ class SweepStore:
                 if row is not None:
                     settled.append(run_id)
         return settled
+
+    @staticmethod
+    def _leaseless(cutoff: datetime) -> list[ColumnElement[bool]]:
+        return [R.c.status == RunStatus.RUNNING, R.c.lease_id.is_(None),
+                R.c.started_at <= cutoff]
+
+    def due_leaseless_runs(self, cutoff: datetime, limit: int) -> list[str]:
+        """Runs still running with no lease, started at or before ``cutoff``: their acquire
+        gave up or its message was lost before it recorded a lease (partial index
+        ix_runs_leaseless: it holds only such runs)."""
+        with self.store.tx() as s:
+            return list(s.scalars(select(R.c.run_id).where(*self._leaseless(cutoff))
+                                  .order_by(R.c.started_at).limit(limit)))
+
+    def fail_leaseless_runs(self, run_ids: Sequence[str], cutoff: datetime) -> list[str]:
+        """Fail each of these runs still running with no lease since ``cutoff`` (guarded:
+        one an acquire binds a lease to meanwhile is left alone); the ids failed."""
+        failed: list[str] = []
+        with self.store.tx() as s:
+            for run_id in self._lock(s, R, R.c.run_id, run_ids, *self._leaseless(cutoff)):
+                row = s.execute(
+                    update(R).where(R.c.run_id == run_id, *self._leaseless(cutoff))
+                    .values(status=RunStatus.FAILED, finished_at=utcnow(), reclaim_due=False,
+                            error=LEASELESS_ERROR)
+                    .returning(R.c.run_id)).one_or_none()
+                if row is not None:
+                    failed.append(run_id)
+        return failed
 
     # -- sweep.expire_leases -----------------------------------------------------------
     @staticmethod

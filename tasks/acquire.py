@@ -25,8 +25,10 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from celery.exceptions import Retry
+
 from models.schema import AnyLease, LeaseState, RunStatus, utcnow
-from models.store import LiveLeaseExists, NewLease
+from models.store import LiveLeaseExists, NewLease, RunChange
 from providers.base import (
     Acquired,
     AcquireOutcome,
@@ -39,6 +41,7 @@ from providers.base import (
 from providers.errors import (
     AcquireCleanupIncomplete,
     InvalidRequest,
+    LeasekeeperError,
     ProviderError,
     ProviderMismatch,
     TerminalProviderError,
@@ -50,6 +53,7 @@ from tasks import pool_claim
 from tasks.base import LeaseTask
 from tasks.destroy import destroy_lease
 from tasks.leases import handle, later, new_lease_id, sandbox_key
+from tasks.redaction import scrub_text
 from workers.app import app
 from workers.pool_settings import resolve_spec
 from workers.runtime import Runtime
@@ -369,6 +373,25 @@ def acquire(self: LeaseTask, run_id: str, spec: dict[str, Any] | None = None) ->
         # The retry will pick the lease up again: its deadline covers the wait and the try.
         rt.store.extend_acquire_deadline(run_id, later(countdown_s + rt.settings.acquire_timeout_s))
 
-    with self.retrying(before_retry=keep_provisioning):
-        done = acquire_lease(rt, run_id, parsed, self.request.id, self.may_retry)
+    try:
+        with self.retrying(before_retry=keep_provisioning):
+            done = acquire_lease(rt, run_id, parsed, self.request.id, self.may_retry)
+    except Retry:
+        raise
+    except Exception as exc:
+        _give_up(rt, run_id, exc)
+        raise
     return done.as_dict()
+
+
+def _give_up(rt: Runtime, run_id: str, exc: Exception) -> None:
+    """The acquire failed for good: a run it left running with no lease (refused after
+    its row was written: a key with a live lease, a resume check's 403...) fails with the
+    reason, so its record tells the truth at once. Best effort: with the store down,
+    sweep.reap_runs fails it later."""
+    with contextlib.suppress(LeasekeeperError):
+        if rt.store.fail_leaseless_run(
+                run_id, scrub_text(f"acquire failed: {type(exc).__name__}: {exc}")
+        ) == RunChange.CHANGED:
+            log.info("acquire for run %s gave up before a lease was recorded: %s", run_id,
+                     type(exc).__name__)

@@ -32,12 +32,13 @@ class ReapOutcome(StrEnum):
     RECLAIMS_ENQUEUED = "reclaims_enqueued"  # sandbox.reclaim sent (aborted ones included)
     NOT_CLAIMED = "not_claimed"  # the viewer came back, or another tick won the claim
     SETTLED = "settled"  # still running/interrupted on an ended lease: aborted with its reason
+    LEASELESS_FAILED = "leaseless_failed"  # its acquire never recorded a lease: failed
 
 
 def reap_runs(ctx: SweepContext) -> Tally:
     """Abort runs detached past the TTL (inclusive cutoff) and reclaim their sandboxes;
     re-send the reclaim of terminal runs whose reclaim was lost; settle runs left
-    unfinished on an ended lease."""
+    unfinished on an ended lease; fail runs whose acquire never recorded a lease."""
     s, claims, tally = ctx.rt.settings, ctx.claims, Tally(ReapOutcome)
     now = utcnow()
     cutoff = now - timedelta(seconds=s.run_detach_ttl_s)
@@ -49,6 +50,7 @@ def reap_runs(ctx: SweepContext) -> Tally:
         for run_id in lost:
             tally.add(ReapOutcome.RECLAIMS_ENQUEUED, run_id)
         settle_runs(ctx, tally)
+        fail_leaseless_runs(ctx, tally)
         return tally
     aborted = claims.claim_detached_runs(detached, cutoff, s.claim_timeout_s)
     for _ in range(len(detached) - len(aborted)):
@@ -63,7 +65,22 @@ def reap_runs(ctx: SweepContext) -> Tally:
         ctx.effects.reclaim(run_id)
         tally.add(ReapOutcome.RECLAIMS_ENQUEUED, run_id)
     settle_runs(ctx, tally)
+    fail_leaseless_runs(ctx, tally)
     return tally
+
+
+def fail_leaseless_runs(ctx: SweepContext, tally: Tally) -> None:
+    """Fail runs running with no lease for longer than any acquire can be alive without
+    recording one (settings.leaseless_run_grace_s): an acquire that gave up fails its run
+    itself (tasks/acquire.py), this catches a lost message or a store that was down then.
+    No sandbox exists for them (a lease is recorded before anything is created)."""
+    cutoff = utcnow() - timedelta(seconds=ctx.rt.settings.leaseless_run_grace_s)
+    due = ctx.claims.due_leaseless_runs(cutoff, ctx.rt.settings.sweep_batch_size)
+    failed = due if ctx.dry_run else ctx.claims.fail_leaseless_runs(due, cutoff)
+    for _ in range(len(due) - len(failed)):
+        tally.add(ReapOutcome.NOT_CLAIMED)
+    for run_id in failed:
+        tally.add(ReapOutcome.LEASELESS_FAILED, run_id)
 
 
 def settle_runs(ctx: SweepContext, tally: Tally) -> None:

@@ -28,7 +28,8 @@ def check(
 
     rt = runtime()
     violations = check_store(rt.store, utcnow(), rt.settings.claim_timeout_s,
-                             {pool.name: pool.max_size for pool in rt.settings.pools})
+                             {pool.name: pool.max_size for pool in rt.settings.pools},
+                             rt.settings.leaseless_run_grace_s)
     if as_json:
         typer.echo(json.dumps({"violations": [v.as_dict() for v in violations]}, indent=1))
     else:

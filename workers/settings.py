@@ -221,6 +221,15 @@ class Settings(BaseSettings):
         return self.broker_url or DEFAULT_BROKER_URL
 
     @property
+    def leaseless_run_grace_s(self) -> float:
+        """How long a run may be running with no lease before sweep.reap_runs fails it:
+        longer than any acquire can still be alive without having recorded one (its
+        message redelivered after the visibility timeout, then every retry: its backoff
+        and a whole attempt each), plus a claim timeout."""
+        return (self.visibility_timeout_s + self.claim_timeout_s
+                + self.task_max_retries * (self.retry_backoff_max_s + self.task_time_limit_s))
+
+    @property
     def effective_store_url(self) -> str:
         if self.store_url:
             return self.store_url

@@ -6,6 +6,7 @@ what is true, and runs settle when their lease ends."""
 from __future__ import annotations
 
 import uuid
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -225,3 +226,55 @@ def test_reap_runs_repairs_a_run_left_running_on_an_ended_lease(stack: WorkerSta
     assert f"settled {run_id}" in summary["items"]
     run = rt.store.get_run(run_id)
     assert run.status == RunStatus.ABORTED and run.error == f"its lease {lease_id} ended: requested"
+
+
+def test_an_acquire_refused_after_its_run_was_recorded_fails_that_run(
+        stack: WorkerStack) -> None:
+    # Before: the run row stayed "running" with no lease, forever (the refusal came after
+    # the run was written: a sandbox key another run's live lease holds, without reuse).
+    rt = stack.runtime()
+    key = f"sk-taken-{uuid.uuid4().hex[:8]}"
+    _holder, held = acquire({"sandbox_key": key})
+    run_id = rid()
+    with pytest.raises(InvalidRequest, match="already has a live lease"):
+        producer.acquire_lease(run_id, {"sandbox_key": key}).get(60)
+    run = rt.store.get_run(run_id)
+    assert run is not None and run.status == RunStatus.FAILED and run.lease_id is None
+    assert run.finished_at is not None and "already has a live lease" in (run.error or "")
+    assert not run.reclaim_due  # no sandbox was ever made for it
+    assert rt.store.get_lease(held).state == LeaseState.ACTIVE  # the holder is untouched
+
+
+def test_reap_runs_fails_a_run_whose_acquire_never_recorded_a_lease(
+        stack: WorkerStack) -> None:
+    # A run row written, then its acquire lost for good (a broker that lost the message,
+    # or a store down when the acquire gave up): nothing would ever give it a lease.
+    from models.invariants import Rule, check
+    from tests.sweeps.conftest import set_run
+
+    rt = stack.runtime()
+    grace = rt.settings.leaseless_run_grace_s
+    lost, recent = rid("lost"), rid("recent")
+    for run_id in (lost, recent):
+        rt.store.start_run(run_id, None, "local", f"sk-{run_id}")
+    set_run(rt, lost, started_at=utcnow() - timedelta(seconds=grace + 5))
+    # `leasekeeper check` names it; the recent one is an acquire still at work
+    found = [v for v in check(rt.store, utcnow(), rt.settings.claim_timeout_s, None, grace)
+             if v.rule == Rule.RUN_WITHOUT_LEASE]
+    assert [v.run_id for v in found] == [lost]
+    # `leasekeeper reap --dry-run` says what it would do and writes nothing
+    from tasks.reap import reap_once
+
+    (dry,) = reap_once(rt, dry_run=True, only=["sweep.reap_runs"])
+    assert f"leaseless_failed {lost}" in dry["items"]
+    assert rt.store.get_run(lost).status == RunStatus.RUNNING
+    summary = app.send_task("sweep.reap_runs").get(30)
+    assert f"leaseless_failed {lost}" in summary["items"]
+    assert recent not in " ".join(summary["items"])
+    failed, left = rt.store.get_run(lost), rt.store.get_run(recent)
+    assert failed.status == RunStatus.FAILED and "never recorded a lease" in (failed.error or "")
+    assert left.status == RunStatus.RUNNING
+    # and an acquire that comes back for it late makes nothing
+    with pytest.raises(InvalidRequest, match="is failed; start a new run"):
+        producer.acquire_lease(lost, {}).get(60)
+    assert check(rt.store, utcnow(), rt.settings.claim_timeout_s, None, grace) == []

@@ -4,9 +4,10 @@ bench/sweeps.py.
 
 Of every 1,000 leases: 980 destroyed (their runs completed and reclaimed), 10 active (runs
 running), 3 provisioning, 3 pending_cleanup, 2 destroying, 2 abandoned (runs failed). Rows
-are created one second apart up to ``NOW``. What a sweep finds due does not grow with the
-history (the sweeps keep up): about 30 rows per sweep in any history of 15,000 rows or more
-(fewer below), the rest of each state not due yet. No lease events are loaded: no sweep
+are created one second apart up to ``NOW``; 30 more runs, a day old, never got a lease.
+What a sweep finds due does not grow with the history (the sweeps keep up): about 30 rows
+per sweep in any history of 15,000 rows or more (fewer below), the rest of each state not
+due yet. No lease events are loaded: no sweep
 reads them.
 """
 
@@ -91,6 +92,18 @@ JOIN (SELECT 'l' || lpad(i::text, 10, '0') AS lease_id, i % 1000 AS b, i / 1000 
 """
 
 
+# Runs whose acquire never recorded a lease (30 at any size, a day old): sweep.reap_runs'
+# fails them.
+_LEASELESS_RUNS = """
+INSERT INTO runs (run_id, thread_id, status, provider, sandbox_key, started_at,
+    cancel_requested, reclaim_due)
+SELECT 'lost-' || i, NULL, 'running', 'noop', 'key-lost-' || i,
+    :now - interval '1 day' - make_interval(secs => i), false, false
+FROM generate_series(1, 30) AS i
+"""
+LEASELESS_GRACE = timedelta(hours=3)
+
+
 def load_history(engine: Engine, rows: int) -> None:
     """Load ``rows`` leases and their runs into an empty, migrated PostgreSQL store, then
     VACUUM ANALYZE so the planner knows the real distribution."""
@@ -98,6 +111,7 @@ def load_history(engine: Engine, rows: int) -> None:
     with engine.begin() as conn:
         conn.execute(text(_LEASES), params)
         conn.execute(text(_RUNS), params)
+        conn.execute(text(_LEASELESS_RUNS), params)
     with engine.connect() as plain:
         conn = plain.execution_options(isolation_level="AUTOCOMMIT")
         conn.exec_driver_sql("VACUUM ANALYZE leases")
@@ -149,6 +163,8 @@ SWEEP_READS_AND_CLAIMS: dict[str, Callable[[SweepStore], object]] = {
     "reap_runs.detached": lambda s: s.claim_detached_runs(
         s.due_detached_runs(NOW - DETACH_TTL, 25), NOW - DETACH_TTL, 300),
     "reap_runs.lost_reclaims": lambda s: s.claim_reclaims(s.due_reclaims(NOW, 25), NOW, 300),
+    "reap_runs.leaseless": lambda s: s.fail_leaseless_runs(
+        s.due_leaseless_runs(NOW - LEASELESS_GRACE, 25), NOW - LEASELESS_GRACE),
     "expire_leases": lambda s: s.claim_expiries(
         [due.lease_id for due in s.due_expiries(NOW, 25)], NOW, 300, None),
     "retry_cleanup.stale_destroys": lambda s: s.recover_stale_destroys(
