@@ -92,3 +92,14 @@ def test_no_docker_engine_skips_with_the_reason_but_fails_under_ci(
     monkeypatch.setenv("CI", "true")
     with pytest.raises(pytest.fail.Exception, match="CI must run the Docker tests, but: no"):
         unavailable("no kernel support")
+
+
+def test_a_stopped_worker_has_longer_than_the_soft_time_limit_to_finish() -> None:
+    # A stop that kills a running task leaves it to the visibility timeout (an hour) before
+    # another worker gets it: the grace must outlast the longest task (its soft limit).
+    from workers.settings import Settings
+
+    worker = _services(_config().stdout)["worker"]
+    grace = worker["stop_grace_period"]
+    seconds = int(grace[:-1]) * {"s": 1, "m": 60}[grace[-1]] if isinstance(grace, str) else grace
+    assert seconds > Settings().task_soft_time_limit_s, grace
