@@ -243,6 +243,7 @@ def test_an_acquire_refused_after_its_run_was_recorded_fails_that_run(
     assert run.finished_at is not None and "already has a live lease" in (run.error or "")
     assert not run.reclaim_due  # no sandbox was ever made for it
     assert rt.store.get_lease(held).state == LeaseState.ACTIVE  # the holder is untouched
+    assert producer.destroy_lease(held).get(60)["state"] == "destroyed"  # leave no sandbox
 
 
 def test_reap_runs_fails_a_run_whose_acquire_never_recorded_a_lease(
