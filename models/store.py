@@ -463,7 +463,8 @@ class Store:
                 bound = s.execute(update(_RUNS).where(_RUNS.c.run_id == new.run_id,
                                                       _RUNS.c.status == RunStatus.RUNNING)
                                   .values(lease_id=new.lease_id, sandbox_key=new.sandbox_key))
-                if _rowcount(bound) != 1:  # failed meanwhile (sweep.reap_runs): write nothing
+                if _rowcount(bound) != 1 and s.get(Run, new.run_id) is not None:
+                    # the run ended meanwhile (sweep.reap_runs failed it): write nothing
                     raise InvalidRequest(f"run {new.run_id} is no longer running; start a "
                                          "new run to get a sandbox")
         except IntegrityError:

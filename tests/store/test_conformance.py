@@ -11,7 +11,7 @@ import pytest
 from models.schema import LeaseState, RunStatus, utcnow
 from models.store import LiveLeaseExists, NewLease, RunChange, Store
 from models.sweep_store import SweepStore
-from providers.errors import NotFound
+from providers.errors import InvalidRequest, NotFound
 
 
 @pytest.fixture
@@ -167,3 +167,26 @@ def test_concurrent_claims_of_the_same_rows_never_both_win(store: Store) -> None
     for t in threads:
         t.join(30)
     assert sorted(lease_id for batch in won for lease_id in batch) == ids  # each exactly once
+
+
+def test_an_intent_never_binds_a_run_that_ended(store: Store) -> None:
+    # given a run that ended before its acquire recorded a lease (sweep.reap_runs failed it)
+    store.start_run("run-1", "thread-1", "local", "k1")
+    assert store.fail_leaseless_run("run-1", "gave up") == RunChange.CHANGED
+    # when a late acquire records its intent: refused, and nothing is written
+    with pytest.raises(InvalidRequest, match="run run-1 is no longer running"):
+        intent_only(store, "l1", "k1", "run-1")
+    with pytest.raises(NotFound):
+        store.get_lease("l1")
+    assert store.get_run("run-1").status == RunStatus.FAILED
+    # and a run with a lease is never failed as lease-less
+    intent(store, "l2", "k2", run_id="run-2")
+    assert store.fail_leaseless_run("run-2", "gave up") == RunChange.UNCHANGED
+
+
+def intent_only(store: Store, lease_id: str, key: str, run_id: str) -> None:
+    store.create_intent(NewLease(
+        lease_id=lease_id, sandbox_key=key, provider="local",
+        provider_lease_id=f"lk-{lease_id}", reuse=False, tenant="acme", thread_id=None,
+        run_id=run_id, spec={}, acquire_deadline_at=utcnow(),
+        deadline_at=utcnow() + timedelta(hours=1), idle_timeout_s=60), task_id=None)
