@@ -43,7 +43,7 @@ from models.schema import (
     Run,
     RunStatus,
 )
-from models.store import Store
+from models.store import Store, leaseless
 
 UNFINISHED = [RunStatus.RUNNING, RunStatus.INTERRUPTED]
 
@@ -123,9 +123,8 @@ def check(store: Store, now: datetime, claim_timeout_s: float,
         if leaseless_grace_s is not None:
             since = now - timedelta(seconds=leaseless_grace_s)
             for run_id, started_at in s.execute(
-                    select(Run.run_id, Run.started_at)
-                    .where(Run.status == RunStatus.RUNNING, Run.lease_id.is_(None),
-                           Run.started_at <= since).order_by(Run.started_at)):
+                    select(Run.run_id, Run.started_at).where(*leaseless(since))
+                    .order_by(Run.started_at)):
                 found.append(Violation(
                     Rule.RUN_WITHOUT_LEASE, None, run_id,
                     f"running since {started_at.isoformat()}Z with no lease, over "

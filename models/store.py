@@ -21,6 +21,7 @@ from enum import StrEnum
 from typing import Any, cast
 
 from sqlalchemy import (
+    ColumnElement,
     CursorResult,
     Engine,
     Table,
@@ -59,6 +60,20 @@ def _rowcount(result: Any) -> int:
 
 
 UNFINISHED_RUN_STATUSES = (RunStatus.RUNNING, RunStatus.INTERRUPTED)
+
+
+def leaseless(started_by: datetime | None = None) -> list[ColumnElement[bool]]:
+    """A run still running with no lease (started at or before ``started_by``): the one
+    predicate of `Store.fail_leaseless_run`, sweep.reap_runs and `leasekeeper check`
+    (partial index ix_runs_leaseless)."""
+    found = [_RUNS.c.status == RunStatus.RUNNING, _RUNS.c.lease_id.is_(None)]
+    return found if started_by is None else [*found, _RUNS.c.started_at <= started_by]
+
+
+def failed_run(error: str) -> dict[str, Any]:
+    """The values that fail a run that never had a sandbox (nothing to reclaim)."""
+    return {"status": RunStatus.FAILED, "finished_at": utcnow(), "reclaim_due": False,
+            "error": error[:2000]}
 
 
 class LiveLeaseExists(StoreError):
@@ -401,11 +416,8 @@ class Store:
         """Fail the run if it is still running with no lease: its acquire gave up before
         recording one (a run with a lease is settled by what happens to that lease)."""
         with self.tx() as s:
-            result = s.execute(
-                update(Run).where(Run.run_id == run_id, Run.status == RunStatus.RUNNING,
-                                  Run.lease_id.is_(None))
-                .values(status=RunStatus.FAILED, finished_at=utcnow(), reclaim_due=False,
-                        error=error[:2000]))
+            result = s.execute(update(Run).where(Run.run_id == run_id, *leaseless())
+                               .values(**failed_run(error)))
             return RunChange.CHANGED if _rowcount(result) == 1 else RunChange.UNCHANGED
 
     def set_detached(self, run_id: str, detached: bool) -> RunChange:

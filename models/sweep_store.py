@@ -33,7 +33,7 @@ from models.schema import (
     RunStatus,
     utcnow,
 )
-from models.store import UNFINISHED_RUN_STATUSES, Store
+from models.store import UNFINISHED_RUN_STATUSES, Store, failed_run, leaseless
 
 L = cast(Table, Lease.__table__)
 E = cast(Table, LeaseEvent.__table__)
@@ -205,17 +205,12 @@ class SweepStore:
                     settled.append(run_id)
         return settled
 
-    @staticmethod
-    def _leaseless(cutoff: datetime) -> list[ColumnElement[bool]]:
-        return [R.c.status == RunStatus.RUNNING, R.c.lease_id.is_(None),
-                R.c.started_at <= cutoff]
-
     def due_leaseless_runs(self, cutoff: datetime, limit: int) -> list[str]:
         """Runs still running with no lease, started at or before ``cutoff``: their acquire
         gave up or its message was lost before it recorded a lease (partial index
         ix_runs_leaseless: it holds only such runs)."""
         with self.store.tx() as s:
-            return list(s.scalars(select(R.c.run_id).where(*self._leaseless(cutoff))
+            return list(s.scalars(select(R.c.run_id).where(*leaseless(cutoff))
                                   .order_by(R.c.started_at).limit(limit)))
 
     def fail_leaseless_runs(self, run_ids: Sequence[str], cutoff: datetime) -> list[str]:
@@ -223,11 +218,10 @@ class SweepStore:
         one an acquire binds a lease to meanwhile is left alone); the ids failed."""
         failed: list[str] = []
         with self.store.tx() as s:
-            for run_id in self._lock(s, R, R.c.run_id, run_ids, *self._leaseless(cutoff)):
+            for run_id in self._lock(s, R, R.c.run_id, run_ids, *leaseless(cutoff)):
                 row = s.execute(
-                    update(R).where(R.c.run_id == run_id, *self._leaseless(cutoff))
-                    .values(status=RunStatus.FAILED, finished_at=utcnow(), reclaim_due=False,
-                            error=LEASELESS_ERROR)
+                    update(R).where(R.c.run_id == run_id, *leaseless(cutoff))
+                    .values(**failed_run(LEASELESS_ERROR))
                     .returning(R.c.run_id)).one_or_none()
                 if row is not None:
                     failed.append(run_id)

@@ -175,7 +175,7 @@ def test_an_intent_never_binds_a_run_that_ended(store: Store) -> None:
     assert store.fail_leaseless_run("run-1", "gave up") == RunChange.CHANGED
     # when a late acquire records its intent: refused, and nothing is written
     with pytest.raises(InvalidRequest, match="run run-1 is no longer running"):
-        intent_only(store, "l1", "k1", "run-1")
+        intent(store, "l1", "k1", run_id="run-1")  # its start_run finds the failed run
     with pytest.raises(NotFound):
         store.get_lease("l1")
     assert store.get_run("run-1").status == RunStatus.FAILED
@@ -183,10 +183,3 @@ def test_an_intent_never_binds_a_run_that_ended(store: Store) -> None:
     intent(store, "l2", "k2", run_id="run-2")
     assert store.fail_leaseless_run("run-2", "gave up") == RunChange.UNCHANGED
 
-
-def intent_only(store: Store, lease_id: str, key: str, run_id: str) -> None:
-    store.create_intent(NewLease(
-        lease_id=lease_id, sandbox_key=key, provider="local",
-        provider_lease_id=f"lk-{lease_id}", reuse=False, tenant="acme", thread_id=None,
-        run_id=run_id, spec={}, acquire_deadline_at=utcnow(),
-        deadline_at=utcnow() + timedelta(hours=1), idle_timeout_s=60), task_id=None)
