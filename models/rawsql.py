@@ -52,6 +52,10 @@ _TIME_COLUMNS = frozenset({"created_at", "updated_at", "ready_at", "acquire_dead
                            "deadline_at", "idle_deadline_at", "next_cleanup_at",
                            "claimed_at"})
 _JSON_COLUMNS = frozenset({"provider_meta", "spec"})
+# Positions in a leases row selected as LEASE_COLUMNS (SQLite stores these as text)
+_TIME_AT = tuple(i for i, c in enumerate(LEASE_COLUMNS) if c in _TIME_COLUMNS)
+_JSON_AT = tuple(i for i, c in enumerate(LEASE_COLUMNS) if c in _JSON_COLUMNS)
+_REUSE_AT = LEASE_COLUMNS.index("reuse")
 # Columns a transition may set besides the ones it always sets.
 SETTABLE = frozenset(LEASE_COLUMNS) - {"lease_id", "state", "updated_at", "version",
                                        "live_key", "created_at"}
@@ -98,9 +102,8 @@ class Change:
     guard_params: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        unknown = set(self.values) - SETTABLE
-        if unknown:
-            raise ValueError(f"a transition cannot set {sorted(unknown)}")
+        if not self.values.keys() <= SETTABLE:
+            raise ValueError(f"a transition cannot set {sorted(set(self.values) - SETTABLE)}")
         if not self.expected:
             raise ValueError("a transition needs at least one expected state")
 
@@ -145,11 +148,12 @@ class RawSql:
         return _PARAM.sub(r"%(\1)s", text) if self.pg else text
 
     def time(self, moment: datetime | None) -> Any:
-        """A naive UTC datetime as the column stores it (SQLite: SQLAlchemy's text)."""
+        """A naive UTC datetime as the column stores it (SQLite: SQLAlchemy's text,
+        ``YYYY-MM-DD HH:MM:SS.ffffff``, microseconds always written, so text order is
+        time order)."""
         if moment is None or self.pg:
             return moment
-        return (f"{moment.year:04d}-{moment.month:02d}-{moment.day:02d} {moment.hour:02d}:"
-                f"{moment.minute:02d}:{moment.second:02d}.{moment.microsecond:06d}")
+        return moment.replace(tzinfo=None).isoformat(" ", "microseconds")
 
     def json(self, value: Any) -> Any:
         return self._json(value) if self.pg else json.dumps(value)
@@ -165,58 +169,48 @@ class RawSql:
         """A leases row, selected as LEASE_COLUMNS, as a LeaseRecord."""
         if self.pg:
             return LeaseRecord(*row)
-        values = dict(zip(LEASE_COLUMNS, row, strict=True))
-        for column in _TIME_COLUMNS:
-            raw = values[column]
+        values = list(row)
+        parse_time = datetime.fromisoformat
+        for at in _TIME_AT:
+            raw = values[at]
             if raw is not None:
-                values[column] = datetime.fromisoformat(raw)
-        for column in _JSON_COLUMNS:
-            raw = values[column]
-            values[column] = {} if raw is None else json.loads(raw)
-        values["reuse"] = bool(values["reuse"])
-        return LeaseRecord(**values)
+                values[at] = parse_time(raw)
+        for at in _JSON_AT:
+            raw = values[at]
+            values[at] = {} if raw is None or raw == "{}" else json.loads(raw)
+        values[_REUSE_AT] = bool(values[_REUSE_AT])
+        return LeaseRecord(*values)
 
     # -- a state change ----------------------------------------------------------------
     def transition(self, cur: Any, change: Change, now: datetime) -> LeaseRecord | None:
         """Apply ``change`` on ``cur`` (inside the caller's transaction, or alone in
         autocommit on PostgreSQL); the new row, None if the lease is not in an expected
         state (or fails the guard), NotFound if there is no such lease."""
+        to = str(change.to)
         params: dict[str, Any] = {
-            "lease_id": change.lease_id, "to": str(change.to), "now": self.time(now),
+            "lease_id": change.lease_id, "to": to, "now": self.time(now),
             "first_end_reason": change.first_end_reason, "task_id": change.task_id,
-            **{f"v_{k}": self.param(k, v) for k, v in change.values.items()},
-            **(change.guard_params or {}),
         }
+        for column, value in change.values.items():
+            params["v_" + column] = self.param(column, value)
+        if change.guard_params:
+            params.update(change.guard_params)
+        statement = _statement(self.pg, change.expected, change.to, tuple(change.values),
+                               change.first_end_reason is not None, change.guard)
         if self.pg:
-            return self._transition_pg(cur, change, params)
-        return self._transition_sqlite(cur, change, params)
-
-    def _set_clause(self, change: Change) -> str:
-        """SET of a change: ``prev_state`` from the row being replaced (SET reads the old
-        row on both databases), and ``live_key`` only when liveness can change (on SQLite
-        an UPDATE maintains only the indexes of the columns it sets)."""
-        live_to = change.to in LIVE_STATES
-        sets = ["prev_state = state", "state = :to", "updated_at = :now",
-                "version = version + 1"]
-        if "sandbox_key" in change.values or any(
-                (state in LIVE_STATES) != live_to for state in change.expected):
-            sets.append(f"live_key = {'sandbox_key' if live_to else 'NULL'}")
-        sets += [f"{k} = :v_{k}" for k in sorted(change.values)]
-        if change.first_end_reason is not None and "end_reason" not in change.values:
-            sets.append("end_reason = COALESCE(end_reason, :first_end_reason)")
-        return ", ".join(sets)
-
-    def _transition_sqlite(self, cur: Any, change: Change, params: dict[str, Any]
-                           ) -> LeaseRecord | None:
-        guard = f" AND ({change.guard})" if change.guard else ""
-        statement = _sqlite_update(self._set_clause(change), _quoted(change.expected), guard)
+            params["reason"] = change.reason[:2000]
+            cur.execute(statement, params)
+            row = cur.fetchone()
+            if row is None:
+                self._missed(cur, change, params)
+                return None
+            return LeaseRecord(*row)
         row = cur.execute(statement, params).fetchone()
         if row is None:
             self._missed(cur, change, params)
             return None
         lease = self.lease(row)
-        frm, to = lease.prev_state, str(change.to)
-        params["frm"] = frm
+        frm = params["frm"] = lease.prev_state
         if to in FINAL_STATES:
             params["error"] = f"its lease {change.lease_id} ended: {lease.end_reason or to}"
             cur.execute(_SQLITE_ABORT_RUNS, params)
@@ -236,21 +230,6 @@ class RawSql:
         if cur.execute(self.sql("SELECT 1 FROM leases WHERE lease_id = :lease_id"),
                        params).fetchone() is None:
             raise NotFound(f"no lease {change.lease_id!r} in the store")
-
-    def _transition_pg(self, cur: Any, change: Change, params: dict[str, Any]
-                       ) -> LeaseRecord | None:
-        params["reason"] = change.reason[:2000]
-        params["expected"] = sorted(change.expected)
-        guard = f" AND ({change.guard})" if change.guard else ""
-        statement = _pg_transition(self._set_clause(change), guard,
-                                   str(change.to) in FINAL_STATES,
-                                   _flips_possible(change.expected, change.to))
-        cur.execute(self.sql(statement), params)
-        row = cur.fetchone()
-        if row is None:
-            self._missed(cur, change, params)
-            return None
-        return LeaseRecord(*row)
 
     # -- runs ---------------------------------------------------------------------------
     def insert_run(self, cur: Any, run: Mapping[str, Any]) -> tuple[Any, ...] | None:
@@ -328,21 +307,43 @@ _SQLITE_FLIP_RUNS = ("UPDATE runs SET reclaim_outcome = :becomes, reclaimed_at =
                      "WHERE lease_id = :lease_id AND reclaim_outcome = :was RETURNING run_id")
 
 
-@functools.lru_cache(maxsize=128)
-def _sqlite_update(sets: str, expected: str, guard: str) -> str:
-    return (f"UPDATE leases SET {sets} WHERE lease_id = :lease_id AND state IN ({expected})"
-            f"{guard} RETURNING {_RETURNING}")
+@functools.lru_cache(maxsize=256)
+def _statement(pg: bool, expected: frozenset[str], to: LeaseState, columns: tuple[str, ...],
+               first_end_reason: bool, guard: str) -> str:
+    """The statement of every change of one shape (the states it moves between, the
+    columns it sets, its guard), built once: only values differ between calls."""
+    sets = _set_clause(expected, to, columns, first_end_reason)
+    where = f"state IN ({_quoted(expected)})" + (f" AND ({guard})" if guard else "")
+    if not pg:
+        return (f"UPDATE leases SET {sets} WHERE lease_id = :lease_id AND {where} "
+                f"RETURNING {_RETURNING}")
+    return _PARAM.sub(r"%(\1)s", _pg_transition(sets, where, to in FINAL_STATES,
+                                                _flips_possible(expected, to)))
 
 
-@functools.lru_cache(maxsize=128)
-def _pg_transition(sets: str, guard: str, final: bool, flips: bool) -> str:
+def _set_clause(expected: frozenset[str], to: LeaseState, columns: tuple[str, ...],
+                first_end_reason: bool) -> str:
+    """SET of a change: ``prev_state`` from the row being replaced (SET reads the old
+    row on both databases), and ``live_key`` only when liveness can change (on SQLite
+    an UPDATE maintains only the indexes of the columns it sets)."""
+    live_to = to in LIVE_STATES
+    sets = ["prev_state = state", "state = :to", "updated_at = :now", "version = version + 1"]
+    if "sandbox_key" in columns or any((state in LIVE_STATES) != live_to for state in expected):
+        sets.append(f"live_key = {'sandbox_key' if live_to else 'NULL'}")
+    sets += [f"{k} = :v_{k}" for k in sorted(columns)]
+    if first_end_reason and "end_reason" not in columns:
+        sets.append("end_reason = COALESCE(end_reason, :first_end_reason)")
+    return ", ".join(sets)
+
+
+def _pg_transition(sets: str, where: str, final: bool, flips: bool) -> str:
     """One statement: move the row if its state is expected (and the guard holds; an
     UPDATE's WHERE is evaluated again on the newest row version if another transaction
     changed it meanwhile), settle its runs, append the event naming ``prev_state``, the
     state the UPDATE replaced; the new row, or no row if nothing moved."""
     ctes = [
-        f"moved AS (UPDATE leases SET {sets} WHERE lease_id = :lease_id "
-        f"AND state = ANY(:expected){guard} RETURNING {_RETURNING})",
+        f"moved AS (UPDATE leases SET {sets} WHERE lease_id = :lease_id AND {where} "
+        f"RETURNING {_RETURNING})",
     ]
     note = "''"
     if final:

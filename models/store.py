@@ -157,10 +157,80 @@ HOT_RECYCLE_S = 1800.0
 @dataclass
 class _HotConnection:
     conn: PoolProxiedConnection
+    driver: Any  # conn's DBAPI connection (commit and rollback without the pool's proxy)
     cursor: Any
     since_s: float
     # SQLite: this thread's own open of the store's writer lock file (see raw_tx)
     writer_lock: int | None = None
+
+
+class _RawTx:
+    """What :meth:`Store.raw_tx` returns: a plain context manager (every lifecycle task
+    runs a few of these; a generator-based one costs several calls more each)."""
+
+    __slots__ = ("hot", "store")
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+
+    def __enter__(self) -> Any:
+        store = self.store
+        hot = self.hot = store._hot()
+        if hot.writer_lock is not None:
+            fcntl.flock(hot.writer_lock, fcntl.LOCK_EX)
+        if not store.raw.pg:
+            try:
+                hot.cursor.execute("BEGIN IMMEDIATE")
+            except BaseException as exc:
+                raise (self._failed(exc) or exc) from None
+        return hot.cursor
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: Any) -> None:
+        if exc is None:
+            if not self.store.raw.pg:
+                try:
+                    self.hot.driver.commit()
+                except BaseException as failed:
+                    raise (self._failed(failed) or failed) from None
+            self._unlock()
+            return
+        translated = self._failed(exc)
+        if translated is not None:
+            raise translated from None
+        # else the original goes on
+
+    def _unlock(self) -> None:
+        if self.hot.writer_lock is not None:
+            fcntl.flock(self.hot.writer_lock, fcntl.LOCK_UN)
+
+    def _failed(self, exc: BaseException) -> BaseException | None:
+        """Roll back (or drop the connection), release the writer lock; what to raise
+        instead of ``exc`` (StoreUnavailable, StoreError), or None to let ``exc`` go on
+        (the driver's IntegrityError, for the caller to decide; anything not the
+        database's)."""
+        store, hot = self.store, self.hot
+        dbapi = store.dbapi
+        try:
+            broken = isinstance(exc, dbapi.Error) and store.engine.dialect.is_disconnect(
+                exc, hot.driver, hot.cursor)
+            if broken or not isinstance(exc, Exception):
+                store._drop_hot(hot, invalidate=True)
+            elif not store.raw.pg:
+                try:
+                    hot.driver.rollback()
+                except dbapi.Error:
+                    store._drop_hot(hot, invalidate=True)
+        finally:
+            self._unlock()
+        if isinstance(exc, dbapi.IntegrityError):
+            return None
+        if isinstance(exc, dbapi.OperationalError | dbapi.InterfaceError) or broken:
+            store._drop_hot(hot, invalidate=True)
+            return store._unavailable(exc)
+        if isinstance(exc, dbapi.Error):
+            return StoreError(f"lease store error: {str(exc)[:300]}")
+        return None
 
 
 class Store:
@@ -208,7 +278,7 @@ class Store:
         and kept (a checkout per statement cost more than the statement on PostgreSQL);
         in autocommit on PostgreSQL; replaced after a failure or after pool_recycle."""
         hot: _HotConnection | None = getattr(self._local, "hot", None)
-        if hot is not None and hot.conn.is_valid and (
+        if hot is not None and hot.conn.dbapi_connection is not None and (
                 time.monotonic() - hot.since_s < HOT_RECYCLE_S):
             return hot
         if hot is not None:
@@ -219,7 +289,8 @@ class Store:
             raise self._unavailable(getattr(exc, "orig", None) or exc) from None
         if self.raw.pg:
             conn.driver_connection.autocommit = True  # type: ignore[union-attr]
-        hot = _HotConnection(conn, conn.cursor(), time.monotonic(), self._open_writer_lock())
+        hot = _HotConnection(conn, conn.driver_connection, conn.cursor(), time.monotonic(),
+                             self._open_writer_lock())
         self._local.hot = hot
         return hot
 
@@ -252,44 +323,13 @@ class Store:
                     hot.conn.driver_connection.autocommit = False  # type: ignore[union-attr]
                 hot.conn.close()
 
-    @contextlib.contextmanager
-    def raw_tx(self) -> Iterator[Any]:
+    def raw_tx(self) -> contextlib.AbstractContextManager[Any]:
         """A DBAPI cursor for the plain-SQL hot path (models/rawsql.py): on SQLite, one
         ``BEGIN IMMEDIATE`` ... ``COMMIT`` transaction; on PostgreSQL, ONE statement, in
         autocommit (its own transaction: one round trip, no BEGIN/COMMIT). Errors are
         translated as in :meth:`tx`; the driver's IntegrityError passes through (after
         the rollback) for the caller to decide."""
-        dbapi = self.dbapi
-        hot = self._hot()
-        if hot.writer_lock is not None:
-            fcntl.flock(hot.writer_lock, fcntl.LOCK_EX)
-        try:
-            if not self.raw.pg:
-                hot.cursor.execute("BEGIN IMMEDIATE")
-            yield hot.cursor
-            if not self.raw.pg:
-                hot.conn.commit()
-        except BaseException as exc:
-            broken = isinstance(exc, dbapi.Error) and self.engine.dialect.is_disconnect(
-                exc, hot.conn.driver_connection, hot.cursor)
-            if broken or not isinstance(exc, Exception):
-                self._drop_hot(hot, invalidate=True)
-            elif not self.raw.pg:
-                try:
-                    hot.conn.rollback()
-                except dbapi.Error:
-                    self._drop_hot(hot, invalidate=True)
-            if isinstance(exc, dbapi.IntegrityError):
-                raise
-            if isinstance(exc, dbapi.OperationalError | dbapi.InterfaceError) or broken:
-                self._drop_hot(hot, invalidate=True)
-                raise self._unavailable(exc) from None
-            if isinstance(exc, dbapi.Error):
-                raise StoreError(f"lease store error: {str(exc)[:300]}") from None
-            raise
-        finally:
-            if hot.writer_lock is not None:
-                fcntl.flock(hot.writer_lock, fcntl.LOCK_UN)
+        return _RawTx(self)
 
     # -- reads -------------------------------------------------------------------------
     def get_lease(self, lease_id: str) -> Lease:
