@@ -80,7 +80,9 @@ class Acquisition:
     sandbox_key: str
 
     def as_dict(self) -> dict[str, Any]:
-        return {"result": self.result, "run_id": self.run_id, "lease_id": self.lease_id,
+        # plain strings (not the enums): the JSON is the same, and so is the text Celery
+        # logs, by the cheap path (workers/result_repr.py)
+        return {"result": self.result.value, "run_id": self.run_id, "lease_id": self.lease_id,
                 "provider": self.provider, "provider_lease_id": self.provider_lease_id,
                 "backend": self.backend, "sandbox_key": self.sandbox_key, "state": "active"}
 

@@ -52,7 +52,8 @@ class Destroyed:
     error: ProviderError | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"lease_id": self.lease_id, "result": self.result, "state": self.state}
+        return {"lease_id": self.lease_id, "result": self.result.value,
+                "state": str(self.state)}  # plain strings: see Acquisition.as_dict
 
 
 def cleanup_delay_s(rt: Runtime, attempts: int) -> float:

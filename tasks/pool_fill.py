@@ -175,7 +175,8 @@ class Provisioned:
     state: str
 
     def as_dict(self) -> dict[str, Any]:
-        return {"lease_id": self.lease_id, "result": self.result, "state": self.state}
+        return {"lease_id": self.lease_id, "result": str(self.result),
+                "state": str(self.state)}  # plain strings: see Acquisition.as_dict
 
 
 def provision_member(rt: Runtime, lease_id: str, task_id: str | None, may_retry: bool

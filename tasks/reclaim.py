@@ -48,7 +48,7 @@ class Reclaimed:
     detail: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "outcome": self.outcome, "lease_id": self.lease_id,
+        return {"run_id": self.run_id, "outcome": str(self.outcome), "lease_id": self.lease_id,
                 "detail": self.detail}
 
 

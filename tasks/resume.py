@@ -30,7 +30,7 @@ class ResumeCheck:
     destroy_enqueued: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return {"lease_id": self.lease_id, "outcome": self.outcome, "resumable":
+        return {"lease_id": self.lease_id, "outcome": str(self.outcome), "resumable":
                 self.outcome == ResumeOutcome.RESUMABLE, "reason": self.reason,
                 "details": self.details}
 

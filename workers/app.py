@@ -133,6 +133,15 @@ def _import_providers_before_fork(**_: Any) -> None:
     import_provider_modules(get_settings())
 
 
+@worker_init.connect
+def _cheap_result_reprs(**_: Any) -> None:
+    # Before the pool forks, so every pool process renders results the cheap way when
+    # that gives saferepr's text (workers/result_repr.py).
+    from workers.result_repr import install
+
+    install()
+
+
 @worker_process_init.connect
 def _fresh_runtime_after_fork(**_: Any) -> None:
     # A prefork child must not reuse the parent's database connections.
