@@ -101,7 +101,7 @@ class Lease(Base):
 
     lease_id: Mapped[str] = mapped_column(String(64), primary_key=True)
     sandbox_key: Mapped[str] = mapped_column(String(128), index=True)
-    live_key: Mapped[str | None] = mapped_column(String(128), unique=True)
+    live_key: Mapped[str | None] = mapped_column(String(128))  # unique: uq_leases_live_key
     provider: Mapped[str] = mapped_column(String(64))
     provider_lease_id: Mapped[str] = mapped_column(String(253), index=True)
     backend: Mapped[str | None] = mapped_column(String(64))
@@ -156,6 +156,9 @@ class Lease(Base):
               **in_state("warm")),
         Index("ix_leases_pool_members", "pool", "state",
               **where("pool IS NOT NULL AND run_id IS NULL")),
+        # Live leases are unique per sandbox key; the rest (most of the history) have no
+        # key and no entry (migration 0010_perf12).
+        Index("uq_leases_live_key", "live_key", unique=True, **where("live_key IS NOT NULL")),
     )
 
 
@@ -202,7 +205,7 @@ class Run(Base):
     __tablename__ = "runs"
 
     run_id: Mapped[str] = mapped_column(String(128), primary_key=True)
-    thread_id: Mapped[str | None] = mapped_column(String(128), index=True)
+    thread_id: Mapped[str | None] = mapped_column(String(128))
     status: Mapped[str] = mapped_column(String(32))
     exit_code: Mapped[int | None]
     provider: Mapped[str] = mapped_column(String(64))
@@ -224,7 +227,10 @@ class Run(Base):
         Index("ix_runs_lease_id", "lease_id"),
         # sweep.reap_runs' lost reclaims: only the runs whose reclaim has no outcome yet.
         Index("ix_runs_reclaim_pending", "finished_at", **where(UNRECLAIMED)),
-        Index("ix_runs_reclaimed_at", "reclaimed_at"),
+        # Only the rows with a value (queries ask for one): a run's thread and its reclaim
+        # time are NULL for most of the history (migration 0010_perf12).
+        Index("ix_runs_thread_id", "thread_id", **where("thread_id IS NOT NULL")),
+        Index("ix_runs_reclaimed_at", "reclaimed_at", **where("reclaimed_at IS NOT NULL")),
         # `runs list`: newest first, keyset pages (models/reports.py)
         Index("ix_runs_started", "started_at", "run_id"),
         # sweep.reap_runs' runs whose acquire never recorded a lease (almost always empty)

@@ -40,6 +40,42 @@ def test_head_has_the_declared_indexes_and_the_migrations_reverse(store_url: str
     assert index_names(store_url) == declared()
 
 
+def partial_and_unique(url: str) -> dict[str, tuple[bool, bool]]:
+    """Each index's (partial, unique) as the database has it."""
+    engine = create_engine(url)
+    try:
+        found = inspect(engine)
+        return {ix["name"]: (any(k.endswith("_where") and v is not None
+                                 for k, v in ix.get("dialect_options", {}).items()),
+                             bool(ix["unique"]))
+                for table in TABLES if found.has_table(table)
+                for ix in found.get_indexes(table)
+                if ix["name"] and "duplicates_constraint" not in ix}
+    finally:
+        engine.dispose()
+
+
+def declared_partial_and_unique() -> dict[str, tuple[bool, bool]]:
+    return {ix.name: (any(ix.dialect_options[d].get("where") is not None
+                          for d in ("sqlite", "postgresql")), bool(ix.unique))
+            for table in TABLES for ix in Base.metadata.tables[table].indexes if ix.name}
+
+
+def test_head_indexes_are_partial_and_unique_as_declared(store_url: str) -> None:
+    """A migration that rebuilds a SQLite table (0010's batch copy of leases) keeps every
+    partial index partial; the live-key index stays unique among live leases."""
+    # given a store at head, also after going down to 0009 and up again
+    assert partial_and_unique(store_url) == declared_partial_and_unique()
+    downgrade(store_url, "0009_runs12")
+    assert partial_and_unique(store_url)["ix_runs_thread_id"] == (False, False)
+    upgrade(store_url)
+    # then every index is as declared
+    found = partial_and_unique(store_url)
+    assert found == declared_partial_and_unique()
+    assert found["uq_leases_live_key"] == (True, True)
+    assert found["ix_leases_active_deadline"] == (True, False)
+
+
 def columns(url: str, table: str) -> set[str]:
     engine = create_engine(url)
     try:
