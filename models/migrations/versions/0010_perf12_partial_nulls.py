@@ -15,6 +15,8 @@ table (the batch copy keeps every other index, partial predicates included).
 
 from __future__ import annotations
 
+from typing import Any
+
 import sqlalchemy as sa
 from alembic import op
 
@@ -24,7 +26,7 @@ branch_labels = None
 depends_on = None
 
 
-def _not_null(column: str) -> dict[str, sa.TextClause]:
+def _not_null(column: str) -> dict[str, Any]:
     predicate = sa.text(f"{column} IS NOT NULL")
     return {"postgresql_where": predicate, "sqlite_where": predicate}
 
