@@ -295,9 +295,15 @@ class Store:
             conn = self.engine.raw_connection()
         except SQLAlchemyError as exc:
             raise self._unavailable(getattr(exc, "orig", None) or exc) from None
+        cursor: Any
         if self.raw.pg:
+            from models.pq_cursor import PqCursor  # psycopg: installed with PostgreSQL
+
             conn.driver_connection.autocommit = True  # type: ignore[union-attr]
-        hot = _HotConnection(conn, conn.driver_connection, conn.cursor(), time.monotonic(),
+            cursor = PqCursor(conn.driver_connection)  # type: ignore[arg-type]
+        else:
+            cursor = conn.cursor()
+        hot = _HotConnection(conn, conn.driver_connection, cursor, time.monotonic(),
                              self._open_writer_lock())
         self._local.hot = hot
         return hot

@@ -190,6 +190,38 @@ def test_a_hot_connection_back_in_the_pool_gives_sessions_transactions_again(
         store.dispose()
 
 
+@pytest.mark.postgres
+def test_a_pooled_connection_taken_again_by_the_hot_path_prepares_its_statements_anew(
+        postgres_server: PostgresServer) -> None:
+    """The hot path prepares its statements on its connection (models/pq_cursor.py); a
+    connection back in the pool keeps them, and the hot path that takes it next must not
+    collide with them, nor with psycopg's own."""
+    url = postgres_server.create_database(f"lk_{uuid.uuid4().hex[:12]}")
+    upgrade(url)
+    store = Store(url)
+    try:
+        # given a hot connection that ran the common statements, then went back to the pool
+        store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), None)
+        store.transition("l1", {LeaseState.PROVISIONING}, LeaseState.ACTIVE, "ready")
+        hot = store._local.hot
+        pid = hot.driver.info.backend_pid
+        store._drop_hot(hot)
+        # when the hot path takes the same server connection again
+        assert store._hot().driver.info.backend_pid == pid
+        store.start_run_with_intent("run-2", new_lease("l2", "k2", "run-2"), None)
+        moved = store.transition("l2", {LeaseState.PROVISIONING}, LeaseState.ACTIVE, "ready")
+        # then the same statements run, values read as psycopg reads them
+        assert moved is not None and moved.state == LeaseState.ACTIVE
+        assert moved == LeaseRecord(**{c.name: getattr(store.get_lease("l2"), c.name)
+                                       for c in Lease.__table__.c})
+        # and a key taken is psycopg's IntegrityError there too: nothing written
+        with pytest.raises(LiveLeaseExists):
+            store.start_run_with_intent("run-3", new_lease("l3", "k2", "run-3"), None)
+        assert store.get_run("run-3") is None
+    finally:
+        store.dispose()
+
+
 def test_a_failed_reclaim_recorded_after_its_lease_was_destroyed_is_destroyed(
         store: Store) -> None:
     """Two reclaims of one run race: one's destroy fails, the other's (or a retry's)
