@@ -1,11 +1,18 @@
 """Lifecycle throughput against bare Celery, in one process, on one broker and worker.
 
 For each store (SQLite, PostgreSQL): start Redis and a worker whose provider does no work
-(``noop``), then time N acquire+destroy pairs through the producer API against 2N no-op
-tasks (``leasekeeper.ping``) on the same broker and worker. The ratio says what the
-lifecycle bookkeeping (validation, store transactions, events) costs. Prints JSON.
+(``noop``), then time acquire+destroy pairs through the producer API against twice as
+many no-op tasks (``leasekeeper.ping``) on the same broker and worker. The ratio says what
+the lifecycle bookkeeping (validation, store transactions, events) costs. Prints JSON.
 
-    python bench/throughput.py [--pairs 200] [--rounds 3] [--store sqlite|postgres|both]
+A shared machine's speed drifts within seconds, so each round alternates short chunks of
+the two workloads (``--chunk`` pairs, then twice as many pings, then the other way round)
+and compares their summed times: both see the same machine. The headline ``ratio`` is
+the median of the rounds' ratios; ``cpu_ratio`` compares the CPU every process spent
+(this one, the worker and its pool, Redis, PostgreSQL) per pair, bare over lifecycle.
+
+    python bench/throughput.py [--pairs 400] [--chunk 200] [--rounds 5]
+                               [--store sqlite|postgres|both] [--concurrency 2]
 """
 
 from __future__ import annotations
@@ -18,6 +25,8 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -26,8 +35,9 @@ sys.path.insert(0, str(REPO))
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--pairs", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=400, help="pairs per round")
+    parser.add_argument("--chunk", type=int, default=200, help="pairs per chunk")
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--store", choices=["sqlite", "postgres", "both"], default="both")
     parser.add_argument("--concurrency", type=int, default=2)
     args = parser.parse_args()
@@ -46,24 +56,59 @@ def main() -> None:
     try:
         stores = ["sqlite", "postgres"] if args.store == "both" else [args.store]
         for kind in stores:
+            servers = [redis.proc.pid]
             if kind == "sqlite":
                 url = f"sqlite:///{work / 'bench.db'}"
             else:
                 postgres = postgres or start_postgres(work / "postgres")
                 url = postgres.create_database(f"bench_{uuid.uuid4().hex[:8]}")
-            results.append(bench_store(kind, url, work, args.pairs, args.rounds,
-                                       args.concurrency))
+                servers.append(postgres.proc.pid)
+            results.append(bench_store(kind, url, work, args, servers))
     finally:
         if postgres:
             postgres.stop()
         redis.stop()
-    print(json.dumps({"benchmark": "lifecycle_vs_bare_celery", "pairs": args.pairs,
-                      "rounds": args.rounds, "worker_concurrency": args.concurrency,
-                      "results": results}, indent=2))
+    print(json.dumps({"benchmark": "lifecycle_vs_bare_celery", "pairs_per_round": args.pairs,
+                      "chunk": args.chunk, "rounds": args.rounds,
+                      "worker_concurrency": args.concurrency, "results": results}, indent=2))
 
 
-def bench_store(kind: str, url: str, work: Path, pairs: int, rounds: int,
-                concurrency: int) -> dict[str, object]:
+@dataclass
+class Phase:
+    """One workload's time and CPU in a round, summed over its chunks."""
+
+    seconds: float = 0.0
+    cpu_s: float = 0.0
+    rates: list[float] = field(default_factory=list)
+
+
+class CpuClock:
+    """CPU seconds spent so far by this process, the worker's tree and the servers'."""
+
+    def __init__(self, pids: list[int]) -> None:
+        import psutil
+
+        self.roots = [psutil.Process(pid) for pid in pids]
+
+    def __call__(self) -> float:
+        import psutil
+
+        procs = {}
+        for root in self.roots:
+            for proc in [root, *root.children(recursive=True)]:
+                procs[proc.pid] = proc
+        total = 0.0
+        for proc in procs.values():
+            try:
+                times = proc.cpu_times()
+            except psutil.Error:
+                continue
+            total += times.user + times.system
+        return total
+
+
+def bench_store(kind: str, url: str, work: Path, args: argparse.Namespace,
+                servers: list[int]) -> dict[str, object]:
     import redis as redis_lib
 
     from models.migrate import upgrade
@@ -79,37 +124,58 @@ def bench_store(kind: str, url: str, work: Path, pairs: int, rounds: int,
                                    "LEASEKEEPER_PROVIDERS": "noop,local"})
     stack.root.mkdir(parents=True, exist_ok=True)
     os.environ["LEASEKEEPER_STORE_URL"] = url
-    stack.start_worker(concurrency=concurrency)
-    try:
-        warm = [producer.acquire_lease(f"warm-{i}-{uuid.uuid4().hex[:6]}") for i in range(10)]
-        for r in warm:
-            r.get(60)
-        lifecycle, bare = [], []
-        for _ in range(rounds):
-            started = time.perf_counter()
-            acquired = [producer.acquire_lease(f"b-{uuid.uuid4().hex[:12]}")
-                        for _ in range(pairs)]
-            ids = [r.get(120)["lease_id"] for r in acquired]
-            for r in [producer.destroy_lease(lease_id) for lease_id in ids]:
-                r.get(120)
-            lifecycle.append(pairs / (time.perf_counter() - started))
+    worker = stack.start_worker(concurrency=args.concurrency)
+    cpu = CpuClock([os.getpid(), worker.pid, *servers])
 
-            started = time.perf_counter()
-            for r in [app.send_task("leasekeeper.ping") for _ in range(2 * pairs)]:
-                r.get(120)
-            bare.append(pairs / (time.perf_counter() - started))
+    def lifecycle(pairs: int) -> None:
+        acquired = [producer.acquire_lease(f"b-{uuid.uuid4().hex[:12]}") for _ in range(pairs)]
+        ids = [r.get(120)["lease_id"] for r in acquired]
+        for r in [producer.destroy_lease(lease_id) for lease_id in ids]:
+            r.get(120)
+
+    def bare(pairs: int) -> None:
+        for r in [app.send_task("leasekeeper.ping") for _ in range(2 * pairs)]:
+            r.get(120)
+
+    def timed(run: Callable[[int], None], phase: Phase, pairs: int) -> None:
+        cpu0, started = cpu(), time.perf_counter()
+        run(pairs)
+        seconds = time.perf_counter() - started
+        phase.seconds += seconds
+        phase.cpu_s += cpu() - cpu0
+        phase.rates.append(pairs / seconds)
+
+    try:
+        for _ in range(2):  # warm both paths (connections, prepared statements, caches)
+            lifecycle(args.chunk)
+            bare(args.chunk)
+        rounds: list[tuple[Phase, Phase]] = []
+        for _ in range(args.rounds):
+            life, base = Phase(), Phase()
+            chunks = max(args.pairs // args.chunk, 1)
+            for chunk in range(chunks):
+                order = [(lifecycle, life), (bare, base)]
+                for run, phase in order if chunk % 2 == 0 else reversed(order):
+                    timed(run, phase, args.chunk)
+            rounds.append((life, base))
     finally:
         stack.stop()
-    lifecycle_rate, bare_rate = statistics.median(lifecycle), statistics.median(bare)
-    # Each round pairs a lifecycle run with the bare run right after it, so the per-round
-    # ratio cancels most of a shared machine's noise; its median is the headline figure.
-    ratios = [life / b for life, b in zip(lifecycle, bare, strict=True)]
-    return {"store": kind, "lifecycle_pairs_per_s": round(lifecycle_rate, 1),
-            "bare_celery_pairs_per_s": round(bare_rate, 1),
+    pairs = max(args.pairs // args.chunk, 1) * args.chunk
+    ratios = [base.seconds / life.seconds for life, base in rounds]
+    cpu_ratios = [base.cpu_s / life.cpu_s for life, base in rounds]
+    return {"store": kind,
+            "lifecycle_pairs_per_s": round(statistics.median(
+                pairs / life.seconds for life, _ in rounds), 1),
+            "bare_celery_pairs_per_s": round(statistics.median(
+                pairs / base.seconds for _, base in rounds), 1),
             "ratio": round(statistics.median(ratios), 3),
             "rounds_ratio": [round(x, 3) for x in ratios],
-            "rounds_lifecycle": [round(x, 1) for x in lifecycle],
-            "rounds_bare": [round(x, 1) for x in bare]}
+            "cpu_ratio": round(statistics.median(cpu_ratios), 3),
+            "cpu_ms_per_pair": {
+                "lifecycle": round(statistics.median(
+                    life.cpu_s / pairs * 1000 for life, _ in rounds), 2),
+                "bare": round(statistics.median(
+                    base.cpu_s / pairs * 1000 for _, base in rounds), 2)}}
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
@@ -158,13 +159,13 @@ def acquire_lease(
 
 def _new_lease(rt: Runtime, provider: Provider, spec: SandboxSpec, key: str,
                run_id: str) -> NewLease:
-    lease_id = new_lease_id()
+    lease_id, now = new_lease_id(), utcnow()
     return NewLease(
         lease_id=lease_id, sandbox_key=key, provider=provider.name,
         provider_lease_id=provider.lease_name(lease_id), reuse=spec.reuse,
         tenant=spec.tenant, thread_id=spec.thread_id, run_id=run_id, spec=spec.redacted(),
-        acquire_deadline_at=later(rt.settings.acquire_timeout_s),
-        deadline_at=later(spec.ttl_s or rt.settings.lease_ttl_s),
+        acquire_deadline_at=now + timedelta(seconds=rt.settings.acquire_timeout_s),
+        deadline_at=now + timedelta(seconds=spec.ttl_s or rt.settings.lease_ttl_s),
         idle_timeout_s=spec.idle_timeout_s or rt.settings.lease_idle_timeout_s,
         pool=spec.pool,
     )

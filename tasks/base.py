@@ -20,7 +20,7 @@ import functools
 import inspect
 import json
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from celery import Task
@@ -45,9 +45,12 @@ __all__ = ["LeaseTask", "check_payload", "redact"]
 
 
 @functools.lru_cache(maxsize=64)
-def _parameters(run: Callable[..., Any]) -> Mapping[str, inspect.Parameter]:
-    """A task's keyword parameters (read once per task: every message is checked)."""
-    return inspect.signature(run).parameters
+def _parameters(run: Callable[..., Any]) -> tuple[tuple[str, ...], frozenset[str]]:
+    """A task's keyword parameters, and the required ones among them (read once per
+    task: every message is checked)."""
+    params = inspect.signature(run).parameters
+    return tuple(params), frozenset(p.name for p in params.values()
+                                    if p.default is inspect.Parameter.empty)
 
 
 def check_payload(name: str, run: Callable[..., Any], args: tuple[Any, ...],
@@ -64,10 +67,9 @@ def check_payload(name: str, run: Callable[..., Any], args: tuple[Any, ...],
             f"invalid {name} payload: {size} bytes, over the {max_bytes}-byte limit "
             "(LEASEKEEPER_MAX_PAYLOAD_BYTES); send ids and small specs"
         )
-    params = _parameters(run)
+    params, required = _parameters(run)
     unknown = [k for k in kwargs if k not in params]
-    missing = [p.name for p in params.values()
-               if p.default is inspect.Parameter.empty and p.name not in kwargs]
+    missing = [p for p in params if p in required and p not in kwargs]
     if unknown or missing:
         problems = ([f"missing field(s) {', '.join(missing)}"] if missing else []) + (
             [f"unknown field(s) {', '.join(echo(k) for k in unknown[:5])}"] if unknown else [])

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-import uuid
+import os
+import time
 from datetime import datetime, timedelta
 
 from models.schema import AnyLease, utcnow
@@ -13,8 +14,7 @@ from providers.spec import SandboxSpec
 
 def new_lease_id() -> str:
     """Time-ordered and DNS-safe: 12 hex digits of milliseconds, then 20 random."""
-    millis = int(datetime.now().timestamp() * 1000)
-    return f"{millis:012x}{uuid.uuid4().hex[:20]}"
+    return f"{time.time_ns() // 1_000_000:012x}{os.urandom(10).hex()}"
 
 
 def sandbox_key(spec: SandboxSpec, provider: str, run_id: str) -> str:
