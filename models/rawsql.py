@@ -188,6 +188,19 @@ class RawSql:
         """Apply ``change`` on ``cur`` (inside the caller's transaction, or alone in
         autocommit on PostgreSQL); the new row, None if the lease is not in an expected
         state (or fails the guard), NotFound if there is no such lease."""
+        row = self._apply(cur, change, now, full=True)
+        if row is None:
+            return None
+        return LeaseRecord(*row) if self.pg else self.lease(row)
+
+    def move(self, cur: Any, change: Change, now: datetime) -> bool:
+        """:meth:`transition` for a caller that needs no row back: whether it moved (a
+        row converted costs more than the rest of the change's Python)."""
+        return self._apply(cur, change, now, full=False) is not None
+
+    def _apply(self, cur: Any, change: Change, now: datetime, full: bool
+               ) -> tuple[Any, ...] | None:
+        """The change; the row it returns (all LEASE_COLUMNS, or only MOVED_COLUMNS)."""
         to = str(change.to)
         params: dict[str, Any] = {
             "lease_id": change.lease_id, "to": to, "now": self.time(now),
@@ -198,23 +211,23 @@ class RawSql:
         if change.guard_params:
             params.update(change.guard_params)
         statement = _statement(self.pg, change.expected, change.to, tuple(change.values),
-                               change.first_end_reason is not None, change.guard)
+                               change.first_end_reason is not None, change.guard, full)
         if self.pg:
             params["reason"] = change.reason[:2000]
             cur.execute(statement, params)
-            row = cur.fetchone()
+            row: tuple[Any, ...] | None = cur.fetchone()
             if row is None:
                 self._missed(cur, change, params)
-                return None
-            return LeaseRecord(*row)
+            return row
         row = cur.execute(statement, params).fetchone()
         if row is None:
             self._missed(cur, change, params)
             return None
-        lease = self.lease(row)
-        frm = params["frm"] = lease.prev_state
+        prev_state_at, end_reason_at = _MOVED_AT if full else (0, 1)
+        frm = params["frm"] = row[prev_state_at]
         if to in FINAL_STATES:
-            params["error"] = f"its lease {change.lease_id} ended: {lease.end_reason or to}"
+            end_reason = row[end_reason_at]
+            params["error"] = f"its lease {change.lease_id} ended: {end_reason or to}"
             cur.execute(_SQLITE_ABORT_RUNS, params)
         flip = _flip(frm, to)
         note = ""
@@ -224,7 +237,7 @@ class RawSql:
                          flip)
         params["reason"] = (f"{change.reason} ({note})" if note else change.reason)[:2000]
         cur.execute(_INSERT_EVENT, params)
-        return lease
+        return tuple(row)
 
     def _missed(self, cur: Any, change: Change, params: dict[str, Any]) -> None:
         """A change that moved nothing: the lease is not in an expected state (another
@@ -299,6 +312,10 @@ def _flips_possible(expected: frozenset[str], to: str) -> bool:
 
 
 _RETURNING = ", ".join(LEASE_COLUMNS)
+# What a change that returns no row still reads of the row it moved: the state it left
+# (its event) and its end reason (its runs' settlement)
+MOVED_COLUMNS = ("prev_state", "end_reason")
+_MOVED_AT = tuple(LEASE_COLUMNS.index(c) for c in MOVED_COLUMNS)
 _INSERT_EVENT = ("INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, "
                  "task_id) VALUES (:lease_id, :now, :frm, :to, :reason, :task_id)")
 _SQLITE_ABORT_RUNS = (
@@ -311,16 +328,17 @@ _SQLITE_FLIP_RUNS = ("UPDATE runs SET reclaim_outcome = :becomes, reclaimed_at =
 
 @functools.lru_cache(maxsize=256)
 def _statement(pg: bool, expected: frozenset[str], to: LeaseState, columns: tuple[str, ...],
-               first_end_reason: bool, guard: str) -> str:
+               first_end_reason: bool, guard: str, full: bool = True) -> str:
     """The statement of every change of one shape (the states it moves between, the
-    columns it sets, its guard), built once: only values differ between calls."""
+    columns it sets, its guard, the row it returns), built once: only values differ."""
     sets = _set_clause(expected, to, columns, first_end_reason)
     where = f"state IN ({_quoted(expected)})" + (f" AND ({guard})" if guard else "")
     if not pg:
+        returning = _RETURNING if full else ", ".join(MOVED_COLUMNS)
         return (f"UPDATE leases SET {sets} WHERE lease_id = :lease_id AND {where} "
-                f"RETURNING {_RETURNING}")
+                f"RETURNING {returning}")
     return _PARAM.sub(r"%(\1)s", _pg_transition(sets, where, to in FINAL_STATES,
-                                                _flips_possible(expected, to)))
+                                                _flips_possible(expected, to), full))
 
 
 def _set_clause(expected: frozenset[str], to: LeaseState, columns: tuple[str, ...],
@@ -338,14 +356,16 @@ def _set_clause(expected: frozenset[str], to: LeaseState, columns: tuple[str, ..
     return ", ".join(sets)
 
 
-def _pg_transition(sets: str, where: str, final: bool, flips: bool) -> str:
+def _pg_transition(sets: str, where: str, final: bool, flips: bool, full: bool) -> str:
     """One statement: move the row if its state is expected (and the guard holds; an
     UPDATE's WHERE is evaluated again on the newest row version if another transaction
     changed it meanwhile), settle its runs, append the event naming ``prev_state``, the
-    state the UPDATE replaced; the new row, or no row if nothing moved."""
+    state the UPDATE replaced; the new row (``full``, else its MOVED_COLUMNS), or no row
+    if nothing moved."""
+    returning = _RETURNING if full else ", ".join(MOVED_COLUMNS)
     ctes = [
         f"moved AS (UPDATE leases SET {sets} WHERE lease_id = :lease_id AND {where} "
-        f"RETURNING {_RETURNING})",
+        f"RETURNING {_RETURNING if full else 'lease_id, ' + returning})",
     ]
     note = "''"
     if final:
@@ -375,7 +395,7 @@ def _pg_transition(sets: str, where: str, final: bool, flips: bool) -> str:
         "ev AS (INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, "
         f"task_id) SELECT m.lease_id, :now, m.prev_state, :to, left(:reason || {note}, 2000), "
         ":task_id FROM moved AS m)")
-    return "WITH " + ", ".join(ctes) + f" SELECT {_RETURNING} FROM moved"
+    return "WITH " + ", ".join(ctes) + f" SELECT {returning} FROM moved"
 
 
 @functools.lru_cache(maxsize=16)

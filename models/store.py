@@ -599,6 +599,17 @@ class Store:
         with self.raw_tx() as cur:
             return self.raw.transition(cur, change, utcnow())
 
+    def move(self, lease_id: str, expected: Iterable[str], to: LeaseState, reason: str,
+             task_id: str | None = None, first_end_reason: str | None = None,
+             **values: Any) -> bool:
+        """:meth:`transition` for a caller that needs no row back (the acquire's
+        activation, the destroy's end): whether the lease moved; the same change, event
+        and settlement, without reading the row."""
+        change = Change(lease_id, frozenset(expected), to, reason, task_id, values,
+                        first_end_reason)
+        with self.raw_tx() as cur:
+            return self.raw.move(cur, change, utcnow())
+
     def extend_acquire_deadline(self, run_id: str, until: datetime) -> int:
         """Push the acquire deadline of the run's provisioning lease out to ``until``.
 

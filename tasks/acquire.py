@@ -274,13 +274,12 @@ def _provision(
         _cleanup_failed(rt, lease_id, exc, task_id)
         raise
     now = utcnow()
-    active = store.transition(
+    if not store.move(
         lease_id, {LeaseState.PROVISIONING}, LeaseState.ACTIVE,
         f"ready ({acquired.outcome})", task_id, backend=acquired.backend,
         provider_meta=meta, ready_at=now,
-        idle_deadline_at=later(lease.idle_timeout_s),
-    )
-    if active is None:
+        idle_deadline_at=now + timedelta(seconds=lease.idle_timeout_s),
+    ):
         # A sweep or destroy took the lease while we provisioned: do not leave what we made.
         current = store.get_lease(lease_id)
         if current.state != LeaseState.DESTROYING:
@@ -295,9 +294,11 @@ def _provision(
     result = (AcquireResult.ADOPTED if acquired.outcome == AcquireOutcome.ADOPTED
               else AcquireResult.ACQUIRED)
     # DEBUG: Celery's own INFO line for the task's success carries the same result.
-    log.debug("lease %s %s for run %s (%s %s)", lease_id, result, run_id, active.provider,
-             active.provider_lease_id)
-    return _acquisition(result, run_id, active)
+    log.debug("lease %s %s for run %s (%s %s)", lease_id, result, run_id, lease.provider,
+              lease.provider_lease_id)
+    # The activation changed none of what an acquisition names but the backend
+    return Acquisition(result, run_id, lease_id, lease.provider, lease.provider_lease_id,
+                       acquired.backend, lease.sandbox_key)
 
 
 def _deliver_cold(rt: Runtime, provider: Provider, request: AcquireRequest, acquired: Acquired,

@@ -85,9 +85,9 @@ def destroy_lease(rt: Runtime, lease_id: str, reason: str, task_id: str | None) 
         return _record_failure(rt, claimed.lease_id, claimed.cleanup_attempts + 1, wrapped,
                                task_id)
     end_reason = claimed.end_reason or reason
-    store.transition(lease_id, {LeaseState.DESTROYING}, LeaseState.DESTROYED,
-                     f"destroyed ({outcome}): {reason}", task_id, end_reason=end_reason[:64],
-                     next_cleanup_at=None)
+    store.move(lease_id, {LeaseState.DESTROYING}, LeaseState.DESTROYED,
+               f"destroyed ({outcome}): {reason}", task_id, end_reason=end_reason[:64],
+               next_cleanup_at=None)
     return Destroyed(lease_id, DestroyResult.DESTROYED, LeaseState.DESTROYED)
 
 

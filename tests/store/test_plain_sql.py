@@ -109,6 +109,35 @@ def test_a_state_that_moved_on_or_a_missing_lease_writes_nothing(store: Store) -
                          LeaseState.DESTROYING, "x")
 
 
+def test_a_move_is_the_same_change_without_the_row(store: Store) -> None:
+    """Store.move (the acquire's activation, the destroy's end) writes what transition
+    writes: the guarded change, the event naming the state left, the runs settled."""
+    store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), "t-0")
+    # when the lease is activated, claimed for destroy and destroyed by moves
+    assert store.move("l1", {LeaseState.PROVISIONING}, LeaseState.ACTIVE, "ready", "t-1",
+                      backend="job", ready_at=utcnow()) is True
+    assert store.move("l1", {LeaseState.ACTIVE, LeaseState.PENDING_CLEANUP},
+                      LeaseState.DESTROYING, "destroy", "t-2", "requested") is True
+    assert store.move("l1", {LeaseState.DESTROYING}, LeaseState.DESTROYED, "destroyed",
+                      "t-3", next_cleanup_at=None) is True
+    # then the row, its history and its run are as after transitions
+    lease, run = store.get_lease("l1"), store.get_run("run-1")
+    assert (lease.state, lease.backend, lease.end_reason, lease.live_key, lease.version) == (
+        LeaseState.DESTROYED, "job", "requested", None, 4)
+    assert [(e.from_state, e.to_state, e.task_id) for e in store.events("l1")] == [
+        (None, LeaseState.PROVISIONING, "t-0"),
+        (LeaseState.PROVISIONING, LeaseState.ACTIVE, "t-1"),
+        (LeaseState.ACTIVE, LeaseState.DESTROYING, "t-2"),
+        (LeaseState.DESTROYING, LeaseState.DESTROYED, "t-3")]
+    assert run is not None and run.status == RunStatus.ABORTED
+    assert run.error == "its lease l1 ended: requested"
+    # and a move that finds the lease moved on writes nothing; no lease is NotFound
+    assert store.move("l1", {LeaseState.DESTROYING}, LeaseState.DESTROYED, "again") is False
+    assert len(store.events("l1")) == 4
+    with pytest.raises(NotFound, match="no lease 'nope'"):
+        store.move("nope", {LeaseState.ACTIVE}, LeaseState.DESTROYING, "x")
+
+
 def test_a_lease_end_settles_its_runs_in_the_same_change(store: Store) -> None:
     store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), None)
     store.transition("l1", {LeaseState.PROVISIONING}, LeaseState.ACTIVE, "ready")
