@@ -9,7 +9,8 @@ the first matching rule and consumes one of its ``times``::
 
 ``fault`` is ``transient`` | ``terminal`` | ``conflict`` | ``value_error`` (not a
 ProviderError: a provider bug, or a malformed API reply) | ``kill_worker`` (SIGKILL the
-calling process, as a crash would); ``when`` is ``before`` (nothing done) or ``after``
+calling process, as a crash would) | ``slow`` (the call takes ``seconds`` longer, as a slow
+API server's would, then goes on); ``when`` is ``before`` (nothing done) or ``after``
 (the real call happened, then the fault: for acquire, "the workload exists but the next
 step failed"; for claim, "the run's data was delivered, then the worker died"). The
 operations are the provider contract's: acquire, resume_check, claim, destroy,
@@ -22,6 +23,7 @@ import fcntl
 import json
 import os
 import signal
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -52,8 +54,8 @@ class FaultPlan:
         tmp.write_text(json.dumps(plan))
         os.replace(tmp, self.path)
 
-    def take(self, operation: str, when: str) -> str | None:
-        """Consume one matching rule; return its fault, or None."""
+    def take(self, operation: str, when: str) -> dict[str, Any] | None:
+        """Consume one matching rule; return it, or None."""
         if not self.path.exists():
             return None
         with open(self.path, "r+") as handle:
@@ -66,7 +68,7 @@ class FaultPlan:
                     handle.seek(0)
                     handle.truncate()
                     handle.write(json.dumps(plan))
-                    return str(rule["fault"])
+                    return dict(rule)
         return None
 
 
@@ -78,9 +80,10 @@ class FaultyProvider:
         self.plan = plan
 
     def _fire(self, operation: str, when: str) -> None:
-        fault = self.plan.take(operation, when)
-        if fault is None:
+        rule = self.plan.take(operation, when)
+        if rule is None:
             return
+        fault = str(rule["fault"])
         message = f"injected {fault} fault in {operation} ({when})"
         if fault == "transient":
             raise TransientProviderError(message)
@@ -92,6 +95,9 @@ class FaultyProvider:
             raise ValueError(f"{message}: malformed provider reply")
         if fault == "kill_worker":
             os.kill(os.getpid(), signal.SIGKILL)
+        if fault == "slow":
+            time.sleep(float(rule.get("seconds", 2.0)))
+            return
         raise ValueError(f"unknown fault {fault!r} in {self.plan.path}")
 
     def _around(self, operation: str, call: Callable[[], T]) -> T:

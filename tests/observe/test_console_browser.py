@@ -62,6 +62,9 @@ def browser(tmp_path: Path) -> Iterator[webdriver.Chrome]:
     service = Service(executable_path=shutil.which("chromedriver") or "/usr/bin/chromedriver",
                       log_output=str(tmp_path / "chromedriver.log"))
     driver = webdriver.Chrome(options=options, service=service)
+    # A form's submit may return before the page it posts to has loaded (a loaded machine
+    # answers the POST late): an element looked up then is looked for until it shows.
+    driver.implicitly_wait(20)
     try:
         yield driver
     finally:
