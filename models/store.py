@@ -118,8 +118,12 @@ def make_engine(url: str) -> Engine:
         def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
             dbapi_conn.isolation_level = None  # let BEGIN below be the only transaction
             cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA busy_timeout=30000")
+            # WAL is a property of the file: set once, by the first connection ever.
+            # Setting it again takes a lock that fails at once ("database is locked")
+            # when another process is connecting at the same moment.
+            if cur.execute("PRAGMA journal_mode").fetchone()[0] != "wal":
+                cur.execute("PRAGMA journal_mode=WAL")
             cur.execute("PRAGMA foreign_keys=ON")
             cur.execute("PRAGMA synchronous=NORMAL")
             # A checkpoint (the WAL copied into the database, two fsyncs) every 4,000
