@@ -148,8 +148,8 @@ def compare(sides: list[Side], rounds: int, chunk: int,
         steps = [(side, kind) for side in sides for kind in ("lifecycle", "bare")]
         if number % 2:
             steps.reverse()
-        took = {s.name: {} for s in sides}
-        spent = {s.name: {} for s in sides}
+        took: dict[str, dict[str, float]] = {s.name: {} for s in sides}
+        spent: dict[str, dict[str, float]] = {s.name: {} for s in sides}
         for side, kind in steps:
             clock = CpuClock([os.getpid(), *side.pids(), *servers])
             cpu0, started = clock(), time.perf_counter()
