@@ -35,9 +35,10 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from models.schema import Lease, LeaseEvent, LeaseRecord, LeaseState, Pool, Run, utcnow
+from models.schema import Lease, LeaseEvent, LeaseRecord, LeaseState, Pool, Run, RunStatus, utcnow
 from models.store import LiveLeaseExists, Store
 from models.sweep_store import move
+from providers.errors import InvalidRequest
 
 # the guard of a move that only an unclaimed pool member may make (models/rawsql.py)
 UNCLAIMED = "run_id IS NULL"
@@ -326,12 +327,18 @@ class PoolStore:
         store = self.store
         try:
             with store.raw_tx() as cur:
-                return store.raw.claim_member(
+                member = store.raw.claim_member(
                     cur, claim, f"claimed from pool {intent.pool} by run {intent.run_id}",
                     task_id, utcnow())
         except store.dbapi.IntegrityError:
             raise LiveLeaseExists(
                 f"sandbox key {intent.sandbox_key!r} already has a live lease") from None
+        if member is None:  # no warm member, or the run ended: the claim takes none then
+            run = store.get_run(intent.run_id)
+            if run is not None and run.status != RunStatus.RUNNING:
+                raise InvalidRequest(f"run {intent.run_id} is no longer running "
+                                     f"({run.status}); start a new run to get a sandbox")
+        return member
 
     def activate(self, lease_id: str, run_id: str, meta: dict[str, Any],
                  idle_deadline_at: datetime, reason: str, task_id: str | None) -> bool:

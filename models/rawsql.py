@@ -296,7 +296,9 @@ class RawSql:
             cur.execute(self.sql(_PG_CLAIM_MEMBER), params)
             row = cur.fetchone()
             return None if row is None else LeaseRecord(*row)
-        row = cur.execute(_SQLITE_CLAIM_MEMBER, params).fetchone()
+        ended = cur.execute(_SQLITE_RUN_ENDED, params).fetchone()
+        row = None if ended is not None else cur.execute(_SQLITE_CLAIM_MEMBER,
+                                                         params).fetchone()
         if row is None:
             return None
         lease = self.lease(row)
@@ -437,8 +439,17 @@ _OLDEST_WARM = (f"SELECT lease_id FROM leases WHERE pool = :c_pool AND state = "
 _SQLITE_CLAIM_MEMBER = (
     f"UPDATE leases SET {_CLAIM_SET} WHERE lease_id = ({_OLDEST_WARM}) "
     f"AND state = '{LeaseState.WARM}' RETURNING {_RETURNING}")
+# A member is claimed only for a run that is still running (or has no row): the run's
+# row is locked first on PostgreSQL, so a run.finish waits for the claim and its reclaim
+# then finds the member bound; on SQLite the transaction holds the write lock.
+_SQLITE_RUN_ENDED = (f"SELECT 1 FROM runs WHERE run_id = :c_run_id "
+                     f"AND status <> '{RunStatus.RUNNING}'")
 _PG_CLAIM_MEMBER = (
-    f"WITH pick AS ({_OLDEST_WARM} FOR UPDATE SKIP LOCKED), "
+    "WITH run AS (SELECT status FROM runs WHERE run_id = :c_run_id FOR UPDATE), "
+    f"pick AS (SELECT lease_id FROM leases WHERE pool = :c_pool "
+    f"AND state = '{LeaseState.WARM}' "
+    f"AND NOT EXISTS (SELECT 1 FROM run WHERE status <> '{RunStatus.RUNNING}') "
+    "ORDER BY created_at, lease_id LIMIT 1 FOR UPDATE SKIP LOCKED), "
     f"taken AS (UPDATE leases AS l SET {_CLAIM_SET} FROM pick "
     f"WHERE l.lease_id = pick.lease_id AND l.state = '{LeaseState.WARM}' "
     "RETURNING " + ", ".join(f"l.{c}" for c in LEASE_COLUMNS) + "), "

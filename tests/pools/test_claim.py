@@ -294,6 +294,28 @@ def test_a_redelivered_claim_delivers_again_and_activates(waiting: Runtime) -> N
     assert len(warm(rt)) == 1
 
 
+def test_a_run_that_ended_before_its_claim_gets_no_member(waiting: Runtime) -> None:
+    # The acquire read the run as running; it ended (run.finish, or sweep.reap_runs failed
+    # it) before the claim: the claim must not bind a warm member to an ended run, whose
+    # reclaim already found no lease to destroy (the member would sit active, unclaimed by
+    # anyone, until its TTL).
+    from tasks import pool_claim
+    from tasks.leases import sandbox_key
+    from workers.pool_settings import resolve_spec
+
+    rt = waiting
+    spec = resolve_spec(rt.settings.pools, SandboxSpec(pool="py"))
+    key = sandbox_key(spec, "local", "run-1")
+    rt.store.start_run("run-1", None, "local", key)
+    rt.store.finish_run("run-1", RunStatus.COMPLETED, 0, None, True, None)
+    with pytest.raises(InvalidRequest, match="run-1 is no longer running"):
+        pool_claim.take(rt, spec, key, "run-1", None)
+    assert len(warm(rt)) == 2  # both members still the pool's
+    run = rt.store.get_run("run-1")
+    assert run is not None and run.lease_id is None and run.status == RunStatus.COMPLETED
+    assert all(lease.run_id is None for lease in rt.store.leases())
+
+
 def test_a_worker_killed_mid_claim_leaves_a_lease_stuck_provisioning_cleans_up(
         waiting: Runtime) -> None:
     from tasks import pool_claim
