@@ -296,9 +296,7 @@ class RawSql:
             cur.execute(self.sql(_PG_CLAIM_MEMBER), params)
             row = cur.fetchone()
             return None if row is None else LeaseRecord(*row)
-        ended = cur.execute(_SQLITE_RUN_ENDED, params).fetchone()
-        row = None if ended is not None else cur.execute(_SQLITE_CLAIM_MEMBER,
-                                                         params).fetchone()
+        row = cur.execute(_SQLITE_CLAIM_MEMBER, params).fetchone()
         if row is None:
             return None
         lease = self.lease(row)
@@ -434,22 +432,25 @@ _CLAIM_SET = (
     "reuse = :c_reuse, spec = :c_spec, claimed_at = :now, updated_at = :now, "
     "acquire_deadline_at = :c_acquire_deadline_at, deadline_at = :c_deadline_at, "
     "idle_timeout_s = :c_idle_timeout_s, version = version + 1")
-_OLDEST_WARM = (f"SELECT lease_id FROM leases WHERE pool = :c_pool AND state = "
-                f"'{LeaseState.WARM}' ORDER BY created_at, lease_id LIMIT 1")
+
+
+def _oldest_warm(runs: str) -> str:
+    """The pool's oldest warm member, none if the run (its row in ``runs``) has ended: a
+    member is claimed only for a run still running, or with no row. PostgreSQL passes
+    its locked copy of the run's row, so a run.finish waits for the claim and its reclaim
+    then finds the member bound; on SQLite the claim's transaction holds the write lock."""
+    return (f"SELECT lease_id FROM leases WHERE pool = :c_pool "
+            f"AND state = '{LeaseState.WARM}' AND NOT EXISTS (SELECT 1 FROM {runs} AS r "
+            f"WHERE r.run_id = :c_run_id AND r.status <> '{RunStatus.RUNNING}') "
+            "ORDER BY created_at, lease_id LIMIT 1")
+
+
 _SQLITE_CLAIM_MEMBER = (
-    f"UPDATE leases SET {_CLAIM_SET} WHERE lease_id = ({_OLDEST_WARM}) "
+    f"UPDATE leases SET {_CLAIM_SET} WHERE lease_id = ({_oldest_warm('runs')}) "
     f"AND state = '{LeaseState.WARM}' RETURNING {_RETURNING}")
-# A member is claimed only for a run that is still running (or has no row): the run's
-# row is locked first on PostgreSQL, so a run.finish waits for the claim and its reclaim
-# then finds the member bound; on SQLite the transaction holds the write lock.
-_SQLITE_RUN_ENDED = (f"SELECT 1 FROM runs WHERE run_id = :c_run_id "
-                     f"AND status <> '{RunStatus.RUNNING}'")
 _PG_CLAIM_MEMBER = (
-    "WITH run AS (SELECT status FROM runs WHERE run_id = :c_run_id FOR UPDATE), "
-    f"pick AS (SELECT lease_id FROM leases WHERE pool = :c_pool "
-    f"AND state = '{LeaseState.WARM}' "
-    f"AND NOT EXISTS (SELECT 1 FROM run WHERE status <> '{RunStatus.RUNNING}') "
-    "ORDER BY created_at, lease_id LIMIT 1 FOR UPDATE SKIP LOCKED), "
+    "WITH run AS (SELECT run_id, status FROM runs WHERE run_id = :c_run_id FOR UPDATE), "
+    f"pick AS ({_oldest_warm('run')} FOR UPDATE SKIP LOCKED), "
     f"taken AS (UPDATE leases AS l SET {_CLAIM_SET} FROM pick "
     f"WHERE l.lease_id = pick.lease_id AND l.state = '{LeaseState.WARM}' "
     "RETURNING " + ", ".join(f"l.{c}" for c in LEASE_COLUMNS) + "), "

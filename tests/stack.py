@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from celery import Celery
+
 from models.store import Store
 from providers.faulty import FaultPlan
 from workers.app import app
@@ -103,15 +105,20 @@ class WorkerStack:
     def hostname(self, node: int) -> str:
         return f"{self.name}-{node}@test"
 
-    def await_worker(self, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
-        """Wait until the worker ``proc`` (from spawn_worker) answers a ping."""
+    def await_worker(self, proc: subprocess.Popen[bytes], client: Celery | None = None
+                     ) -> subprocess.Popen[bytes]:
+        """Wait until the worker ``proc`` (from spawn_worker) answers a ping (sent through
+        ``client``, a Celery app on this stack's broker; the session's app by default)."""
         hostname = self.hostname(self.procs.index(proc) + 1)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise RuntimeError(f"worker exited ({proc.returncode}); see {self.logfile}")
-            if app.control.ping(destination=[hostname], timeout=0.5):
-                return proc
+            with contextlib.suppress(Exception):  # a broker still coming back
+                if (client or app).control.ping(destination=[hostname], timeout=0.5):
+                    return proc
+                continue
+            time.sleep(0.2)
         raise TimeoutError(f"worker {hostname} did not answer a ping in 60 s")
 
     def kill_worker(self, proc: subprocess.Popen[bytes]) -> None:

@@ -11,19 +11,17 @@ unrecoverable: the worker exited on every broker restart that found a task in fl
 
 from __future__ import annotations
 
-import subprocess
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import redis as redis_client
-from celery import Celery
 
 from models.migrate import upgrade
 from models.schema import LeaseState
 from models.store import Store
+from tests.e2e.conftest import eventually
 from tests.services import free_port, start_redis
 from tests.stack import WorkerStack
 from workers.app import create_app
@@ -43,7 +41,7 @@ def test_a_worker_holding_unacknowledged_tasks_survives_a_broker_restart(
     client.conf.broker_connection_retry_on_startup = True
     try:
         worker = stack.spawn_worker(concurrency=3)
-        _await_ping(client, stack.hostname(1), worker)
+        stack.await_worker(worker, client)
         # Both pool processes busy in a slow provider call: the worker holds two
         # unacknowledged messages when the broker goes away.
         stack.faults.write({"acquire": [{"fault": "slow", "seconds": 3, "times": 2}]})
@@ -52,21 +50,21 @@ def test_a_worker_holding_unacknowledged_tasks_survives_a_broker_restart(
             client.send_task("lease.acquire", kwargs={"run_id": run_id,
                                                       "spec": {"provider": "faulty"}})
         held = redis_client.Redis(port=port)
-        _until(lambda: held.hlen("unacked") >= 2, 30, "the worker to take both tasks")
+        eventually(lambda: held.hlen("unacked") >= 2, 30, "the worker to take both tasks")
         held.close()
         store = stack.runtime().store
-        _until(lambda: len([lease for lease in store.leases() if lease.run_id in runs]) == 2,
-               30, "both acquires to write their intent and call the provider")
+        eventually(lambda: len([lease for lease in store.leases() if lease.run_id in runs]) == 2,
+                   30, "both acquires to write their intent and call the provider")
 
         broker.stop()
         time.sleep(2)
         broker = start_redis(tmp_path / "redis", port)
 
-        _await_ping(client, stack.hostname(1), worker)
+        stack.await_worker(worker, client)
         # It consumes again: a run acquired after the restart gets its sandbox.
         after = f"run-{uuid.uuid4().hex[:10]}"
         client.send_task("lease.acquire", kwargs={"run_id": after, "spec": {}})
-        _until(lambda: _active(store, after), 60, "an acquire sent after the restart")
+        eventually(lambda: _active(store, after), 60, "an acquire sent after the restart")
         # The two it held are not lost track of: the intent each wrote before the provider
         # call is in the store, for the sweeps to finish or undo (this broker kept nothing
         # over its restart, so no message comes back).
@@ -84,28 +82,6 @@ def test_a_worker_holding_unacknowledged_tasks_survives_a_broker_restart(
 def _active(store: Store, run_id: str) -> bool:
     return any(lease.state == LeaseState.ACTIVE for lease in store.leases()
                if lease.run_id == run_id)
-
-
-def _await_ping(client: Celery, hostname: str, worker: subprocess.Popen[bytes]) -> None:
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if worker.poll() is not None:
-            raise AssertionError(f"worker exited ({worker.returncode})")
-        try:
-            if client.control.ping(destination=[hostname], timeout=0.5):
-                return
-        except Exception:
-            time.sleep(0.2)
-    raise AssertionError(f"worker {hostname} did not answer a ping in 60 s")
-
-
-def _until(probe: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if probe():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
 
 
 def _tail(path: Path, lines: int = 60) -> str:
