@@ -52,7 +52,8 @@ def _send(task: Task, kwargs: dict[str, Any]) -> AsyncResult:
     the broker within BROKER_SEEN_S: after a failed round trip Celery would spend seconds
     retrying the result backend's subscription, then fail with a RuntimeError that asks
     for a restart. A broker lost since the last send fails the send itself, as
-    BrokerUnavailable (publishing fails before any retry loop), and the next send PINGs."""
+    BrokerUnavailable (publishing fails before any retry loop, or the result subscription
+    after Celery's own reconnect attempt: ``_broker_error``), and the next send PINGs."""
     global _broker_seen_at
     try:
         if time.monotonic() - _broker_seen_at > BROKER_SEEN_S:
@@ -60,11 +61,31 @@ def _send(task: Task, kwargs: dict[str, Any]) -> AsyncResult:
             if client is not None:
                 client.ping()
         result = task.apply_async(kwargs=kwargs)
-    except (redis.ConnectionError, redis.TimeoutError, OperationalError) as exc:
+    except (*_BROKER_ERRORS, RuntimeError) as exc:
+        lost = _broker_error(exc)
+        if lost is None:
+            raise
         _broker_seen_at = float("-inf")
-        raise BrokerUnavailable(broker_unreachable(task.app.conf.broker_url, exc)) from None
+        raise BrokerUnavailable(broker_unreachable(task.app.conf.broker_url, lost)) from None
     _broker_seen_at = time.monotonic()
     return result
+
+
+_BROKER_ERRORS = (redis.ConnectionError, redis.TimeoutError, OperationalError)
+
+
+def _broker_error(exc: BaseException) -> BaseException | None:
+    """The lost broker connection behind a failed send, or None if it was not one.
+
+    Celery subscribes to the task's result before it publishes; when that subscription's
+    connection is dead and its reconnect fails too, the result consumer raises a
+    RuntimeError ("must be restarted") caused by the connection error. Nothing was sent
+    then either, and the consumer reconnects on a later send."""
+    if isinstance(exc, _BROKER_ERRORS):
+        return exc
+    if isinstance(exc, RuntimeError) and isinstance(exc.__cause__, _BROKER_ERRORS):
+        return exc.__cause__
+    return None
 
 
 def broker_unreachable(url: str, exc: BaseException) -> str:

@@ -165,8 +165,25 @@ def test_db_upgrade_with_postgres_down_names_the_address_without_the_password(
     assert "secret-pw" not in err
 
 
+# Make the result consumer's subscription see the lost broker before the next send: its
+# socket is written to once after the kill, so the peer's reset is already in. The next
+# send's SUBSCRIBE (Celery subscribes before it publishes) then fails at once, Celery's
+# reconnect fails too, and it raises "must be restarted" (a RuntimeError). Without this
+# the first SUBSCRIBE may still be accepted by the kernel and the publish fail instead:
+# which of the two a real client gets is a race (CI saw both).
+_SUBSCRIPTION_SEES_THE_RESET = (
+    "from workers.app import app\n"
+    "sock = app.backend.result_consumer._pubsub.connection._sock\n"
+    "try:\n"
+    "    sock.sendall(b'PING\\r\\n'); time.sleep(0.2)\n"
+    "except OSError:\n"
+    "    pass\n"
+)
+
+
+@pytest.mark.parametrize("subscription", ["as found", "reset seen"])
 def test_a_broker_lost_between_two_sends_fails_each_send_as_broker_unavailable(
-        tmp_path: Path) -> None:
+        tmp_path: Path, subscription: str) -> None:
     # Sends within a second of one that reached the broker skip their PING; a broker lost
     # meanwhile must still fail those sends as BrokerUnavailable, never leave Celery's
     # result consumer in its "must be restarted" state (a RuntimeError after 5 s).
@@ -185,6 +202,7 @@ def test_a_broker_lost_between_two_sends_fails_each_send_as_broker_unavailable(
         "producer.destroy_lease('0123456789abcdef')\n"
         "os.kill(int(os.environ['REDIS_PID']), signal.SIGKILL)\n"
         "import time; time.sleep(0.2)\n"
+        + (_SUBSCRIPTION_SEES_THE_RESET if subscription == "reset seen" else "") +
         "for _ in range(3):\n"
         "    try:\n"
         "        producer.destroy_lease('0123456789abcdef')\n"
