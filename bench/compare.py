@@ -141,7 +141,7 @@ def compare(sides: list[Side], rounds: int, chunk: int,
     for side in sides:  # warm both paths on both
         side.lifecycle(chunk // 4)
         side.bare(chunk // 4)
-    servers = [postgres.proc.pid] if postgres is not None else []
+    servers = {"postgres": postgres.proc.pid} if postgres is not None else {}
     seconds: dict[str, list[dict[str, float]]] = {s.name: [] for s in sides}
     cpu_s: dict[str, list[dict[str, float]]] = {s.name: [] for s in sides}
     for number in range(rounds):
@@ -151,7 +151,8 @@ def compare(sides: list[Side], rounds: int, chunk: int,
         took: dict[str, dict[str, float]] = {s.name: {} for s in sides}
         spent: dict[str, dict[str, float]] = {s.name: {} for s in sides}
         for side, kind in steps:
-            clock = CpuClock([os.getpid(), *side.pids(), *servers])
+            clock = CpuClock({"producer": os.getpid(), **servers,
+                              **{f"side{n}": pid for n, pid in enumerate(side.pids())}})
             cpu0, started = clock(), time.perf_counter()
             getattr(side, kind)(chunk)
             took[side.name][kind] = time.perf_counter() - started

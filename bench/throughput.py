@@ -9,7 +9,8 @@ A shared machine's speed drifts within seconds, so each round alternates short c
 the two workloads (``--chunk`` pairs, then twice as many pings, then the other way round)
 and compares their summed times: both see the same machine. The headline ``ratio`` is
 the median of the rounds' ratios; ``cpu_ratio`` compares the CPU every process spent
-(this one, the worker and its pool, Redis, PostgreSQL) per pair, bare over lifecycle.
+(this one, the worker and its pool, Redis, PostgreSQL) per pair, bare over lifecycle, and
+``cpu_ms_per_pair_by_role`` says which of them spends the difference.
 
     python bench/throughput.py [--pairs 400] [--chunk 200] [--rounds 5]
                                [--store sqlite|postgres|both] [--concurrency 2]
@@ -56,13 +57,13 @@ def main() -> None:
     try:
         stores = ["sqlite", "postgres"] if args.store == "both" else [args.store]
         for kind in stores:
-            servers = [redis.proc.pid]
+            servers = {"redis": redis.proc.pid}
             if kind == "sqlite":
                 url = f"sqlite:///{work / 'bench.db'}"
             else:
                 postgres = postgres or start_postgres(work / "postgres")
                 url = postgres.create_database(f"bench_{uuid.uuid4().hex[:8]}")
-                servers.append(postgres.proc.pid)
+                servers["postgres"] = postgres.proc.pid
             results.append(bench_store(kind, url, work, args, servers))
     finally:
         if postgres:
@@ -79,36 +80,40 @@ class Phase:
 
     seconds: float = 0.0
     cpu_s: float = 0.0
+    cpu_s_by_role: dict[str, float] = field(default_factory=dict)
     rates: list[float] = field(default_factory=list)
 
 
 class CpuClock:
-    """CPU seconds spent so far by this process, the worker's tree and the servers'."""
+    """CPU seconds spent so far by each role's process tree (this process, the worker
+    and its pool, each server), by role and in total."""
 
-    def __init__(self, pids: list[int]) -> None:
+    def __init__(self, roles: dict[str, int]) -> None:
         import psutil
 
-        self.roots = [psutil.Process(pid) for pid in pids]
+        self.roots = {role: psutil.Process(pid) for role, pid in roles.items()}
+
+    def by_role(self) -> dict[str, float]:
+        import psutil
+
+        spent: dict[str, float] = {}
+        for role, root in self.roots.items():
+            spent[role] = 0.0
+            children = [] if role == "producer" else root.children(recursive=True)
+            for proc in [root, *children]:
+                try:
+                    times = proc.cpu_times()
+                except psutil.Error:
+                    continue
+                spent[role] += times.user + times.system
+        return spent
 
     def __call__(self) -> float:
-        import psutil
-
-        procs = {}
-        for root in self.roots:
-            for proc in [root, *root.children(recursive=True)]:
-                procs[proc.pid] = proc
-        total = 0.0
-        for proc in procs.values():
-            try:
-                times = proc.cpu_times()
-            except psutil.Error:
-                continue
-            total += times.user + times.system
-        return total
+        return sum(self.by_role().values())
 
 
 def bench_store(kind: str, url: str, work: Path, args: argparse.Namespace,
-                servers: list[int]) -> dict[str, object]:
+                servers: dict[str, int]) -> dict[str, object]:
     import redis as redis_lib
 
     from models.migrate import upgrade
@@ -125,7 +130,7 @@ def bench_store(kind: str, url: str, work: Path, args: argparse.Namespace,
     stack.root.mkdir(parents=True, exist_ok=True)
     os.environ["LEASEKEEPER_STORE_URL"] = url
     worker = stack.start_worker(concurrency=args.concurrency)
-    cpu = CpuClock([os.getpid(), worker.pid, *servers])
+    cpu = CpuClock({"producer": os.getpid(), "worker": worker.pid, **servers})
 
     def lifecycle(pairs: int) -> None:
         acquired = [producer.acquire_lease(f"b-{uuid.uuid4().hex[:12]}") for _ in range(pairs)]
@@ -138,11 +143,14 @@ def bench_store(kind: str, url: str, work: Path, args: argparse.Namespace,
             r.get(120)
 
     def timed(run: Callable[[int], None], phase: Phase, pairs: int) -> None:
-        cpu0, started = cpu(), time.perf_counter()
+        cpu0, started = cpu.by_role(), time.perf_counter()
         run(pairs)
         seconds = time.perf_counter() - started
+        cpu1 = cpu.by_role()
         phase.seconds += seconds
-        phase.cpu_s += cpu() - cpu0
+        for role, spent in cpu1.items():
+            phase.cpu_s_by_role[role] = phase.cpu_s_by_role.get(role, 0.0) + spent - cpu0[role]
+        phase.cpu_s = sum(phase.cpu_s_by_role.values())
         phase.rates.append(pairs / seconds)
 
     try:
@@ -175,7 +183,13 @@ def bench_store(kind: str, url: str, work: Path, args: argparse.Namespace,
                 "lifecycle": round(statistics.median(
                     life.cpu_s / pairs * 1000 for life, _ in rounds), 2),
                 "bare": round(statistics.median(
-                    base.cpu_s / pairs * 1000 for _, base in rounds), 2)}}
+                    base.cpu_s / pairs * 1000 for _, base in rounds), 2)},
+            # where the difference is spent: each role's CPU per pair, lifecycle and bare
+            "cpu_ms_per_pair_by_role": {
+                role: {side: round(statistics.median(
+                    r[i].cpu_s_by_role[role] / pairs * 1000 for r in rounds), 2)
+                       for i, side in enumerate(("lifecycle", "bare"))}
+                for role in rounds[0][0].cpu_s_by_role}}
 
 
 if __name__ == "__main__":
