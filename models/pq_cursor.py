@@ -13,6 +13,12 @@ exactly as psycopg's cursor does it.
 Errors stay psycopg's, so the store's translation (models/store.py) is unchanged: a
 failed statement raises psycopg's class for its SQLSTATE (a unique violation is an
 ``IntegrityError``), a lost or failed connection ``OperationalError``.
+
+The answer is waited for with ``poll`` and a monotonic deadline, not inside libpq's
+blocking exec: a server that stops answering (frozen, or its host gone without a reset)
+fails the statement once the deadline passes, and a signal handler's exception (Celery's
+soft time limit) interrupts the wait at once. Either way the connection still has the
+statement in flight, so it is closed: the store drops it and the next call connects anew.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from __future__ import annotations
 import functools
 import itertools
 import re
-from collections.abc import Mapping, Sequence
+import select
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 from psycopg import Connection, OperationalError, errors, pq
@@ -51,8 +59,12 @@ class PqCursor:
     """The few cursor calls RawSql makes, on a psycopg connection's libpq connection (in
     autocommit: each statement is its own transaction, as with psycopg's cursor)."""
 
-    def __init__(self, connection: Connection[Any]) -> None:
+    def __init__(self, connection: Connection[Any], answer_within_s: float) -> None:
+        self.connection = connection
         self.pgconn = connection.pgconn
+        self.answer_within_s = answer_within_s
+        self._poll = select.poll()
+        self._poll.register(self.pgconn.socket, select.POLLIN)
         self._tx = Transformer(connection)
         # (statement, parameter types) -> the name it is prepared under on this connection
         self._prepared: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
@@ -66,12 +78,14 @@ class PqCursor:
                                   [PyFormat.AUTO] * len(names))
         key = (query, tx.types or ())
         prepared = self._prepared.get(key)
+        pgconn = self.pgconn
         if prepared is None:
             prepared = f"lk_hot_{next(_NAMES)}".encode()
-            self._check(self.pgconn.prepare(prepared, query, key[1]))
+            self._check(self._answer(lambda: pgconn.send_prepare(prepared, query, key[1])))
             self._prepared[key] = prepared
         # libpq takes a NULL for a None (psycopg's own cursor passes them so)
-        result = self.pgconn.exec_prepared(prepared, cast(Sequence[bytes], values), tx.formats)
+        result = self._answer(lambda: pgconn.send_query_prepared(
+            prepared, cast(Sequence[bytes], values), tx.formats))
         self._check(result)
         if result.status == pq.ExecStatus.TUPLES_OK:
             tx.set_pgresult(result)
@@ -89,6 +103,32 @@ class PqCursor:
 
     def close(self) -> None:
         self._rows = []
+
+    def _answer(self, send: Callable[[], None]) -> pq.abc.PGresult:
+        """Send a statement and wait for its result (the connection drained after it);
+        OperationalError if no answer came within ``answer_within_s``."""
+        pgconn = self.pgconn
+        try:
+            send()
+            deadline = time.monotonic() + self.answer_within_s
+            while pgconn.is_busy():
+                left_s = deadline - time.monotonic()
+                if left_s <= 0:
+                    raise OperationalError(
+                        f"PostgreSQL did not answer within {self.answer_within_s:g} s "
+                        "(store_statement_timeout_s and a grace for the server to cancel "
+                        "first); the connection was dropped")
+                self._poll.poll(left_s * 1000)  # a signal handler's exception ends it
+                pgconn.consume_input()
+            result = pgconn.get_result()
+            while pgconn.get_result() is not None:  # (one statement: none; drain anyway)
+                pass
+        except BaseException:
+            self.connection.close()  # the statement may still be in flight on it
+            raise
+        if result is None:
+            raise OperationalError("PostgreSQL sent no result for the statement")
+        return result
 
     def _check(self, result: pq.abc.PGresult) -> None:
         if result.status in _OK:

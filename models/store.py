@@ -28,6 +28,7 @@ from sqlalchemy import (
     create_engine,
     event,
     insert,
+    make_url,
     select,
     update,
 )
@@ -105,7 +106,12 @@ class NewLease:
 WAL_CHECKPOINT_PAGES = 4000
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, statement_timeout_s: float = 60.0) -> Engine:
+    """The store's engine. On PostgreSQL a statement runs at most ``statement_timeout_s``
+    (the server's ``statement_timeout``: a statement stuck on a lock, say, is cancelled and
+    the task retries) and TCP keepalives find a server whose host went away while a
+    statement waited; the hot path also stops waiting for an answer a little later
+    (models/pq_cursor.py), for a server that is there but does not answer."""
     if url.startswith("sqlite"):
         # A small pool per process (the runtime is rebuilt after a fork), so the pragmas
         # below run once per connection, not once per transaction.
@@ -143,7 +149,15 @@ def make_engine(url: str) -> Engine:
     # statement on a dead connection fails as StoreUnavailable (retried by the task
     # policy) and SQLAlchemy invalidates the whole pool, so only that one attempt is lost.
     engine = create_engine(url, pool_size=5, max_overflow=5, pool_recycle=1800,
-                           connect_args=_pg_connect_args(url))
+                           connect_args=_pg_connect_args(url, statement_timeout_s))
+
+    @event.listens_for(engine, "connect")
+    def _statement_timeout(dbapi_conn: Any, _record: Any) -> None:
+        # SET, not a startup option: poolers such as PgBouncer refuse startup options
+        with dbapi_conn.cursor() as cur:
+            cur.execute("SELECT set_config('statement_timeout', %s, false)",
+                        (f"{max(round(statement_timeout_s * 1000), 1)}ms",))
+        dbapi_conn.commit()
 
     @event.listens_for(engine, "checkin")
     def _transactions_again(dbapi_conn: Any, _record: Any) -> None:
@@ -157,10 +171,23 @@ def make_engine(url: str) -> Engine:
     return engine
 
 
-def _pg_connect_args(url: str) -> dict[str, Any]:
-    return {"connect_timeout": 5} if url.startswith("postgresql") else {}
+def _pg_connect_args(url: str, statement_timeout_s: float) -> dict[str, Any]:
+    """libpq's connection options (those the URL sets itself win): give up a connect
+    after 5 s; probe an idle connection after 10 s, every 5 s, dead after 3 lost probes
+    (a statement waiting on a host that went away without a reset fails in about 25 s);
+    fail a send not acknowledged within the statement timeout."""
+    if not url.startswith("postgresql"):
+        return {}
+    given = make_url(url).query
+    options = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10,
+               "keepalives_interval": 5, "keepalives_count": 3,
+               "tcp_user_timeout": max(round(statement_timeout_s * 1000), 1)}
+    return {name: value for name, value in options.items() if name not in given}
 
 
+# How much longer than the statement timeout the hot path waits for an answer: the
+# server cancels first, and says so, when it can.
+ANSWER_GRACE_S = 5.0
 # A kept hot-path connection is returned to the pool and replaced after this long, as
 # the pool recycles its own (PostgreSQL: pool_recycle).
 HOT_RECYCLE_S = 1800.0
@@ -226,7 +253,9 @@ class _RawTx:
         try:
             broken = isinstance(exc, dbapi.Error) and store.engine.dialect.is_disconnect(
                 exc, hot.driver, hot.cursor)
-            if broken or not isinstance(exc, Exception):
+            # closed: PqCursor closes a connection whose statement it stopped waiting for
+            if broken or not isinstance(exc, Exception) or getattr(hot.driver, "closed",
+                                                                     False):
                 store._drop_hot(hot, invalidate=True)
             elif not store.raw.pg:
                 try:
@@ -246,9 +275,10 @@ class _RawTx:
 
 
 class Store:
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, statement_timeout_s: float = 60.0) -> None:
         self.url = url
-        self.engine = make_engine(url)
+        self.statement_timeout_s = statement_timeout_s
+        self.engine = make_engine(url, statement_timeout_s)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._skip_locked = self.engine.dialect.name == "postgresql"
         self.raw = RawSql(self.engine.dialect.name)
@@ -271,19 +301,18 @@ class Store:
             raise
         except (OperationalError, DBAPIError) as exc:
             if isinstance(exc, OperationalError) or exc.connection_invalidated:
-                raise StoreUnavailable(
-                    f"the lease store at {self.engine.url.render_as_string(hide_password=True)}"
-                    f" is unavailable ({type(exc.orig).__name__}: {str(exc.orig)[:200]}); "
-                    "the task will retry"
-                ) from None
+                raise self._unavailable(exc.orig) from None
             raise StoreError(f"lease store error: {str(exc.orig)[:300]}") from None
         except SQLAlchemyError as exc:
             raise StoreError(f"lease store error: {exc!s:.300}") from None
 
     def _unavailable(self, orig: BaseException) -> StoreUnavailable:
+        said = " ".join(str(orig).split())[:200]
+        limit = (f" (LEASEKEEPER_STORE_STATEMENT_TIMEOUT_S is {self.statement_timeout_s:g} s)"
+                 if "statement timeout" in said else "")
         return StoreUnavailable(
             f"the lease store at {self.engine.url.render_as_string(hide_password=True)}"
-            f" is unavailable ({type(orig).__name__}: {str(orig)[:200]}); the task will retry")
+            f" is unavailable ({type(orig).__name__}: {said}){limit}; the task will retry")
 
     def _hot(self) -> _HotConnection:
         """This thread's connection for the plain-SQL path, checked out of the pool once
@@ -304,7 +333,8 @@ class Store:
             from models.pq_cursor import PqCursor  # psycopg: installed with PostgreSQL
 
             conn.driver_connection.autocommit = True  # type: ignore[union-attr]
-            cursor = PqCursor(conn.driver_connection)  # type: ignore[arg-type]
+            cursor = PqCursor(conn.driver_connection,  # type: ignore[arg-type]
+                              self.statement_timeout_s + ANSWER_GRACE_S)
         else:
             cursor = conn.cursor()
         hot = _HotConnection(conn, conn.driver_connection, cursor, time.monotonic(),

@@ -118,7 +118,8 @@ def get_runtime() -> Runtime:
     global _runtime, _runtime_pid
     if _runtime is None or _runtime_pid != os.getpid():
         settings = get_settings()
-        _runtime = Runtime(settings=settings, store=Store(settings.effective_store_url))
+        store = Store(settings.effective_store_url, settings.store_statement_timeout_s)
+        _runtime = Runtime(settings=settings, store=store)
         _runtime_pid = os.getpid()
     return _runtime
 

@@ -39,6 +39,10 @@ class Settings(BaseSettings):
     broker_url: str | None = None
     result_backend_url: str | None = None
     store_url: str | None = None
+    # PostgreSQL: the longest one store statement may run (the server cancels it: one
+    # stuck on a lock, say) and, 5 s later, the longest the lifecycle's hot path waits
+    # for an answer (a server that stopped answering); the task then retries.
+    store_statement_timeout_s: float = Field(default=60.0, gt=0, le=3600)
     var_dir: Path = Path(".var")
     # Log lines as plain text, or one JSON object a line (workers/logs.py); worker and beat
     # write to log_file instead of stderr when it is set, rotated at log_file_max_bytes.

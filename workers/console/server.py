@@ -20,7 +20,7 @@ def serve(settings: Settings, on_ready: Callable[[str], None] = print) -> None:
         raise ConfigError("LEASEKEEPER_FLOWER_BASIC_AUTH is not set: the console never runs "
                           "without basic auth; set it to user:password (the same as Flower's)")
     user, password = parse_basic_auth(settings.flower_basic_auth.get_secret_value())
-    store = Store(settings.effective_store_url)
+    store = Store(settings.effective_store_url, settings.store_statement_timeout_s)
     app = build_app(settings, store, user, password)
     on_ready(f"console: http://{settings.console_host}:{settings.console_port}/ "
              f"(basic auth user {user!r}, password from LEASEKEEPER_FLOWER_BASIC_AUTH)")

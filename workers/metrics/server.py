@@ -39,7 +39,7 @@ def build_registry(settings: Settings, store: Store,
 
 
 def serve(settings: Settings, on_ready: Callable[[str], None] = print) -> None:
-    store = Store(settings.effective_store_url)
+    store = Store(settings.effective_store_url, settings.store_statement_timeout_s)
     registry = build_registry(settings, store)
     try:
         server, thread = start_http_server(settings.metrics_port, settings.metrics_host,
