@@ -231,7 +231,7 @@ def test_members_that_never_become_ready_stay_counted_and_never_multiply(
     for member in stuck:
         set_lease(rt, member.lease_id, acquire_deadline_at=utcnow())
     tally = stuck_provisioning(SweepContext(rt, effects))
-    assert tally[StuckOutcome.DESTROY_ENQUEUED] == 2
+    assert tally[StuckOutcome.DESTROY_ENQUEUED] == 2, tally.items
     assert all(m.state == LeaseState.DESTROYED and m.end_reason == "acquire_stuck"
                for m in members(rt))
     assert sandboxes(rt, "faulty") == set()
