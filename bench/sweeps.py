@@ -62,7 +62,7 @@ def main() -> None:
 def load(postgres: PostgresServer, rows: int, revision: str) -> tuple[str, float]:
     url = postgres.create_database(f"sweeps_{rows}_{uuid.uuid4().hex[:6]}")
     upgrade(url, revision)
-    store = Store(url)
+    store = Store(url, statement_timeout_s=3600.0)  # a bulk load, not a lifecycle statement
     started = time.perf_counter()
     try:
         load_history(store.engine, rows)

@@ -35,7 +35,7 @@ SCANNED_TABLES = {"leases", "runs"}
 def history_url(postgres_server: PostgresServer) -> str:
     url = postgres_server.create_database(f"lk_plans_{uuid.uuid4().hex[:8]}")
     upgrade(url)
-    store = Store(url)
+    store = Store(url, statement_timeout_s=3600.0)  # a bulk load
     try:
         load_history(store.engine, ROWS)
     finally:
