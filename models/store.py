@@ -301,7 +301,7 @@ class Store:
             raise
         except (OperationalError, DBAPIError) as exc:
             if isinstance(exc, OperationalError) or exc.connection_invalidated:
-                raise self._unavailable(exc.orig) from None
+                raise self._unavailable(exc.orig or exc) from None
             raise StoreError(f"lease store error: {str(exc.orig)[:300]}") from None
         except SQLAlchemyError as exc:
             raise StoreError(f"lease store error: {exc!s:.300}") from None
