@@ -63,8 +63,7 @@ class PqCursor:
         self.connection = connection
         self.pgconn = connection.pgconn
         self.answer_within_s = answer_within_s
-        self._poll = select.poll()
-        self._poll.register(self.pgconn.socket, select.POLLIN)
+        self._poll: select.poll | None = None  # of the connection's socket, on first use
         self._tx = Transformer(connection)
         # (statement, parameter types) -> the name it is prepared under on this connection
         self._prepared: dict[tuple[bytes, tuple[int, ...]], bytes] = {}
@@ -109,6 +108,9 @@ class PqCursor:
         OperationalError if no answer came within ``answer_within_s``."""
         pgconn = self.pgconn
         try:
+            if self._poll is None:
+                self._poll = select.poll()
+                self._poll.register(pgconn.socket, select.POLLIN)
             send()
             deadline = time.monotonic() + self.answer_within_s
             while pgconn.is_busy():
