@@ -69,9 +69,12 @@ def test_an_acquire_on_a_frozen_store_retries_on_a_new_connection_and_loses_noth
     store_url = postgres_server.create_database(f"lk_frozen_{uuid.uuid4().hex[:8]}")
     upgrade(store_url)
     plain = store_url.replace("+psycopg", "")
-    stack = WorkerStack(name=f"frozen-{uuid.uuid4().hex[:6]}", store_url=store_url,
-                        root=tmp_path, broker_url=redis_server.url,
-                        extra_env={"LEASEKEEPER_STORE_STATEMENT_TIMEOUT_S": "1"})
+    # an installation queue of its own: the session's other workers share this Redis
+    queue = f"frozen-{uuid.uuid4().hex[:8]}"
+    stack = WorkerStack(name=queue, store_url=store_url, root=tmp_path,
+                        broker_url=redis_server.url,
+                        extra_env={"LEASEKEEPER_STORE_STATEMENT_TIMEOUT_S": "1",
+                                   "LEASEKEEPER_TASK_QUEUE": queue})
     client = create_app(stack.settings())
     try:
         worker = stack.spawn_worker(concurrency=1)
