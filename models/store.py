@@ -173,9 +173,10 @@ def make_engine(url: str, statement_timeout_s: float = 60.0) -> Engine:
 
 def _pg_connect_args(url: str, statement_timeout_s: float) -> dict[str, Any]:
     """libpq's connection options (those the URL sets itself win): give up a connect
-    after 5 s; probe an idle connection after 10 s, every 5 s, dead after 3 lost probes
-    (a statement waiting on a host that went away without a reset fails in about 25 s);
-    fail a send not acknowledged within the statement timeout."""
+    after 5 s; keepalive probes on a quiet connection after 10 s, every 5 s; and the
+    kernel drops a connection whose data or probes go unacknowledged for the statement
+    timeout (TCP_USER_TIMEOUT, which also bounds the keepalives): a statement waiting on a
+    host that went away without a reset fails after about that long."""
     if not url.startswith("postgresql"):
         return {}
     given = make_url(url).query
