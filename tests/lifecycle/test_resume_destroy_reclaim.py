@@ -18,9 +18,11 @@ from providers.local import _group_members
 from providers.spec import SandboxSpec
 from tasks.acquire import acquire_lease
 from tasks.destroy import DestroyResult, destroy_lease
+from tasks.leases import handle
 from tasks.reclaim import reclaim_run
 from tasks.resume import check_lease
 from tasks.runs import finish
+from tests.e2e.conftest import eventually
 from workers.runtime import Runtime
 
 
@@ -45,7 +47,9 @@ def test_live_sandbox_is_resumable_and_the_check_counts_as_activity(rt: Runtime)
 
 def test_exited_sandbox_is_not_resumable_and_is_marked_for_cleanup(rt: Runtime) -> None:
     lease_id = acquire(rt, command=["sh", "-c", "exit 7"])
-    time.sleep(0.2)
+    eventually(lambda: rt.provider("local").resume_check(
+        handle(rt.store.get_lease(lease_id)), 1).outcome == ResumeOutcome.NOT_RESUMABLE,
+        10, "the command to exit")
     checked = check_lease(rt, lease_id, None)
     assert checked.outcome == ResumeOutcome.NOT_RESUMABLE
     assert checked.reason.endswith("exited with exit code 7") and checked.destroy_enqueued
@@ -56,7 +60,8 @@ def test_exited_sandbox_is_not_resumable_and_is_marked_for_cleanup(rt: Runtime) 
 def test_killed_sandbox_is_not_resumable(rt: Runtime) -> None:
     lease_id = acquire(rt)
     os.killpg(pid_of(rt, lease_id), signal.SIGKILL)
-    time.sleep(0.1)
+    # kill() returns before the process is gone: wait until it is, however busy the host
+    eventually(lambda: not _group_members(pid_of(rt, lease_id)), 10, "the sandbox to die")
     assert check_lease(rt, lease_id, None).reason.startswith(f"process {pid_of(rt, lease_id)}")
 
 

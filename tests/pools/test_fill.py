@@ -15,9 +15,12 @@ import pytest
 
 from models.pool_store import BreakerState, PoolStore
 from models.schema import LeaseState, utcnow
+from providers.base import ResumeOutcome
 from providers.faulty import FaultPlan
 from providers.spec import SandboxSpec
+from tasks.leases import handle
 from tasks.pool_fill import FillOutcome
+from tests.e2e.conftest import eventually
 from tests.pools.conftest import (
     PoolRecorder,
     fill,
@@ -228,7 +231,9 @@ def test_members_that_never_become_ready_stay_counted_and_never_multiply(
     stuck = members(rt, "py", LeaseState.PROVISIONING)
     assert len(stuck) == 2 and len(members(rt)) == 2  # 5 ticks, still 2: nothing multiplied
     assert len(sandboxes(rt, "faulty")) == 2
-    for member in stuck:
+    for member in stuck:  # their command exits at once: the sweep finds them unhealthy
+        eventually(lambda m=member: rt.provider("faulty").resume_check(handle(m), 1).outcome
+                   == ResumeOutcome.NOT_RESUMABLE, 10, "the member's process to exit")
         set_lease(rt, member.lease_id, acquire_deadline_at=utcnow())
     tally = stuck_provisioning(SweepContext(rt, effects))
     assert tally[StuckOutcome.DESTROY_ENQUEUED] == 2, tally.items
@@ -350,7 +355,6 @@ def test_a_warm_member_whose_command_exited_is_drained_by_finish_exited(
         runtime_with: Callable[..., Runtime]) -> None:
     from tasks.finish_exited import ExitedOutcome, finish_exited
     from tasks.sweeping import SweepContext
-    from tests.e2e.conftest import eventually
 
     rt = runtime_with(pools=[pool(size=1, template={"command": ["sh", "-c", "exit 4"]})])
     effects = PoolRecorder(rt, inline=True, inline_provision=True)
