@@ -148,15 +148,16 @@ def make_engine(url: str, statement_timeout_s: float = 60.0) -> Engine:
     # No pre-ping (a round trip per transaction): after a database restart, the first
     # statement on a dead connection fails as StoreUnavailable (retried by the task
     # policy) and SQLAlchemy invalidates the whole pool, so only that one attempt is lost.
+    timeout_ms = max(round(statement_timeout_s * 1000), 1)
     engine = create_engine(url, pool_size=5, max_overflow=5, pool_recycle=1800,
-                           connect_args=_pg_connect_args(url, statement_timeout_s))
+                           connect_args=_pg_connect_args(url, timeout_ms))
 
     @event.listens_for(engine, "connect")
     def _statement_timeout(dbapi_conn: Any, _record: Any) -> None:
         # SET, not a startup option: poolers such as PgBouncer refuse startup options
         with dbapi_conn.cursor() as cur:
             cur.execute("SELECT set_config('statement_timeout', %s, false)",
-                        (f"{max(round(statement_timeout_s * 1000), 1)}ms",))
+                        (f"{timeout_ms}ms",))
         dbapi_conn.commit()
 
     @event.listens_for(engine, "checkin")
@@ -171,7 +172,7 @@ def make_engine(url: str, statement_timeout_s: float = 60.0) -> Engine:
     return engine
 
 
-def _pg_connect_args(url: str, statement_timeout_s: float) -> dict[str, Any]:
+def _pg_connect_args(url: str, statement_timeout_ms: int) -> dict[str, Any]:
     """libpq's connection options (those the URL sets itself win): give up a connect
     after 5 s; keepalive probes on a quiet connection after 10 s, every 5 s; and the
     kernel drops a connection whose data or probes go unacknowledged for the statement
@@ -182,7 +183,7 @@ def _pg_connect_args(url: str, statement_timeout_s: float) -> dict[str, Any]:
     given = make_url(url).query
     options = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10,
                "keepalives_interval": 5, "keepalives_count": 3,
-               "tcp_user_timeout": max(round(statement_timeout_s * 1000), 1)}
+               "tcp_user_timeout": statement_timeout_ms}
     return {name: value for name, value in options.items() if name not in given}
 
 

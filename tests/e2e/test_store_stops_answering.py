@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from models.schema import LeaseState, utcnow
 from tests.e2e.conftest import eventually
 from tests.services import PostgresServer, RedisServer
 from tests.stack import WorkerStack
+from tests.store.test_store_stops_answering import watchdog
 from workers.app import create_app
 
 pytestmark = [pytest.mark.postgres, pytest.mark.timeout(240)]
@@ -45,12 +45,10 @@ def frozen(pids: list[int], release_after_s: float = 90.0) -> Iterator[None]:
 
     for pid in pids:
         os.kill(pid, signal.SIGSTOP)
-    timer = threading.Timer(release_after_s, release)
-    timer.start()
     try:
-        yield
+        with watchdog(release, release_after_s):
+            yield
     finally:
-        timer.cancel()
         release()
 
 

@@ -51,14 +51,15 @@ WATCHDOG_S = 20.0
 
 
 @contextlib.contextmanager
-def watchdog(release: Callable[[], None]) -> Iterator[threading.Event]:
+def watchdog(release: Callable[[], None], after_s: float = WATCHDOG_S
+             ) -> Iterator[threading.Event]:
     fired = threading.Event()
 
     def fire() -> None:
         fired.set()
         release()
 
-    timer = threading.Timer(WATCHDOG_S, fire)
+    timer = threading.Timer(after_s, fire)
     timer.start()
     try:
         yield fired
