@@ -2,10 +2,11 @@
 for the console, the lease event log tailed by id, and the sweep tick log.
 
 Every query here is index-backed (see the indexes in schema.py): counts group on
-``ix_leases_state_provider_tenant`` / ``ix_runs_status`` over the states that matter now (not
-the destroyed / finished history), reclaims are read by ``ix_runs_reclaimed_at``,
-pages walk ``lease_id`` (time-ordered) through the primary key or ``(state, lease_id)`` /
-``(tenant, lease_id)``, the event tail walks the events' primary key. Writes: only
+``ix_leases_state_lease_id_provider_tenant`` / ``ix_runs_status_detached`` over the states
+that matter now (not the destroyed / finished history), reclaims are read by
+``ix_runs_reclaimed_at``, pages walk ``lease_id`` (time-ordered) through the primary key or
+the ``(state, lease_id)`` / ``(tenant, lease_id)`` prefixes, the event tail walks the
+events' primary key. Writes: only
 :meth:`Observe.record_tick` (one row per beat tick, trimmed to the newest few per sweep)
 and :meth:`Observe.record_provider_errors` (trimmed to the newest few).
 """

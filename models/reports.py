@@ -84,7 +84,10 @@ def lease_page(store: Store, where: LeaseFilter, limit: int, before: str | None 
         query = query.where(Lease.lease_id < before)
     with store.tx() as s:
         rows = list(s.scalars(query))
-        total, capped = (_capped_count(s, where.apply(select(literal(1)).select_from(Lease)))
+        # counted in the page's order, so the count walks the page's index too (a
+        # tenant's (tenant, lease_id)), never a scan of the table or of another index
+        total, capped = (_capped_count(s, where.apply(select(literal(1)).select_from(Lease))
+                                       .order_by(Lease.lease_id.desc()))
                          if counted else (0, False))
     more = len(rows) > limit
     rows = rows[:limit]
