@@ -100,7 +100,8 @@ class Lease(Base):
     __tablename__ = "leases"
 
     lease_id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    sandbox_key: Mapped[str] = mapped_column(String(128), index=True)
+    # not indexed: no query looks a lease up by it but through live_key (0012_perf12)
+    sandbox_key: Mapped[str] = mapped_column(String(128))
     live_key: Mapped[str | None] = mapped_column(String(128))  # unique: uq_leases_live_key
     provider: Mapped[str] = mapped_column(String(64))
     provider_lease_id: Mapped[str] = mapped_column(String(253), index=True)

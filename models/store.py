@@ -38,7 +38,6 @@ from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 
 from models.rawsql import Change, RawSql
 from models.schema import (
-    FINAL_STATES,
     TERMINAL_RUN_STATUSES,
     Lease,
     LeaseEvent,
@@ -400,16 +399,6 @@ class Store:
     def live_lease_for_key(self, sandbox_key: str) -> Lease | None:
         with self.tx() as s:
             return s.scalar(select(Lease).where(Lease.live_key == sandbox_key))
-
-    def tracked_lease_for_key(self, sandbox_key: str) -> Lease | None:
-        """The newest lease for the key that is not final (live, or waiting for cleanup)."""
-        with self.tx() as s:
-            return s.scalar(
-                select(Lease)
-                .where(Lease.sandbox_key == sandbox_key, Lease.state.not_in(FINAL_STATES))
-                .order_by(Lease.created_at.desc())
-                .limit(1)
-            )
 
     def events(self, lease_id: str) -> list[LeaseEvent]:
         with self.tx() as s:

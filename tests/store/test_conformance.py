@@ -33,7 +33,6 @@ def intent(store: Store, lease_id: str, key: str, run_id: str = "run-1") -> None
 
 def test_missing_key_is_none(store: Store) -> None:
     assert store.live_lease_for_key("nope") is None
-    assert store.tracked_lease_for_key("nope") is None
     assert store.get_run("nope") is None
     with pytest.raises(NotFound, match="no lease 'nope'"):
         store.get_lease("nope")
@@ -69,7 +68,6 @@ def test_live_leases_are_unique_per_key_and_isolated_by_key(store: Store) -> Non
     store.transition("l1", {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP, "x")
     intent(store, "l3", "k1", run_id="run-3")
     assert store.live_lease_for_key("k1").lease_id == "l3"
-    assert store.tracked_lease_for_key("k1").lease_id == "l3"
 
 
 def test_guarded_transition_has_one_winner(store: Store) -> None:
@@ -99,10 +97,10 @@ def test_every_change_is_an_event(store: Store) -> None:
                       ("active", "destroyed", "t-3")]
 
 
-def test_final_lease_is_kept_but_not_tracked(store: Store) -> None:
+def test_final_lease_is_kept_but_frees_its_key(store: Store) -> None:
     intent(store, "l1", "k1")
     store.transition("l1", {LeaseState.PROVISIONING}, LeaseState.DESTROYED, "gone")
-    assert store.tracked_lease_for_key("k1") is None
+    assert store.live_lease_for_key("k1") is None
     assert store.get_lease("l1").state == LeaseState.DESTROYED
 
 
