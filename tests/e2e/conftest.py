@@ -1,5 +1,6 @@
-"""End-to-end helpers: wait for a store condition with a monotonic deadline; run the
-`leasekeeper` command as a child process, with a clean environment."""
+"""End-to-end helpers: wait for a store condition with a monotonic deadline, or for a
+sandbox's process to be gone; run the `leasekeeper` command as a child process, with a
+clean environment."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from workers.runtime import Runtime
 
 T = TypeVar("T")
 
@@ -24,6 +28,17 @@ def eventually(probe: Callable[[], T | None], timeout_s: float = 30.0, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.05)
+
+
+def until_gone(rt: Runtime, provider: str, lease_id: str, what: str) -> None:
+    """Wait until ``provider`` finds the lease's sandbox not resumable: kill() returns, and a
+    command exits, before the process is gone, and a busy host takes its time."""
+    from providers.base import ResumeOutcome
+    from tasks.leases import handle
+
+    eventually(lambda: rt.provider(provider).resume_check(
+        handle(rt.store.get_lease(lease_id)), 1).outcome == ResumeOutcome.NOT_RESUMABLE,
+        10, what)
 
 
 HIDDEN_PACKAGES = Path(__file__).resolve().parent / "hidden_packages"

@@ -20,7 +20,7 @@ from providers.faulty import FaultPlan
 from providers.spec import SandboxSpec
 from tasks.acquire import AcquireResult, acquire_lease, parse_acquire
 from tasks.leases import handle
-from tests.e2e.conftest import eventually
+from tests.e2e.conftest import until_gone
 from workers.runtime import Runtime
 
 
@@ -124,9 +124,7 @@ def test_reuse_of_a_dead_sandbox_destroys_it_and_acquires_fresh(rt: Runtime) -> 
     first = acquire_lease(rt, "run-1", spec, None, may_retry=False)
     os.killpg(rt.store.get_lease(first.lease_id).provider_meta["pid"], signal.SIGKILL)
     # kill() returns before the process is gone: the sandbox is dead once it is
-    eventually(lambda: rt.provider("local").resume_check(
-        handle(rt.store.get_lease(first.lease_id)), 1).outcome == ResumeOutcome.NOT_RESUMABLE,
-        10, "the sandbox's process to die")
+    until_gone(rt, "local", first.lease_id, "the sandbox's process to die")
     second = acquire_lease(rt, "run-2", spec, None, may_retry=False)
     assert second.result == AcquireResult.ACQUIRED and second.lease_id != first.lease_id
     old = rt.store.get_lease(first.lease_id)

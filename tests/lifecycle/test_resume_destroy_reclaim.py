@@ -22,7 +22,7 @@ from tasks.leases import handle
 from tasks.reclaim import reclaim_run
 from tasks.resume import check_lease
 from tasks.runs import finish
-from tests.e2e.conftest import eventually
+from tests.e2e.conftest import eventually, until_gone
 from workers.runtime import Runtime
 
 
@@ -47,9 +47,7 @@ def test_live_sandbox_is_resumable_and_the_check_counts_as_activity(rt: Runtime)
 
 def test_exited_sandbox_is_not_resumable_and_is_marked_for_cleanup(rt: Runtime) -> None:
     lease_id = acquire(rt, command=["sh", "-c", "exit 7"])
-    eventually(lambda: rt.provider("local").resume_check(
-        handle(rt.store.get_lease(lease_id)), 1).outcome == ResumeOutcome.NOT_RESUMABLE,
-        10, "the command to exit")
+    until_gone(rt, "local", lease_id, "the command to exit")
     checked = check_lease(rt, lease_id, None)
     assert checked.outcome == ResumeOutcome.NOT_RESUMABLE
     assert checked.reason.endswith("exited with exit code 7") and checked.destroy_enqueued
@@ -82,7 +80,6 @@ def test_workspace_gone_is_not_resumable(rt: Runtime) -> None:
     lease_id = acquire(rt)
     lease = rt.store.get_lease(lease_id)
     destroy_lease_directly = rt.provider("local")
-    from tasks.leases import handle
 
     destroy_lease_directly.destroy(handle(lease))
     assert check_lease(rt, lease_id, None).reason == "workspace no longer exists"
@@ -142,7 +139,6 @@ def _wait_until_ignores_sigterm(pgid: int, timeout_s: float = 30.0) -> None:
 
 def test_destroy_of_an_already_gone_sandbox_is_success(rt: Runtime) -> None:
     lease_id = acquire(rt)
-    from tasks.leases import handle
 
     rt.provider("local").destroy(handle(rt.store.get_lease(lease_id)))
     assert destroy_lease(rt, lease_id, "x", None).result == DestroyResult.DESTROYED

@@ -15,12 +15,10 @@ import pytest
 
 from models.pool_store import BreakerState, PoolStore
 from models.schema import LeaseState, utcnow
-from providers.base import ResumeOutcome
 from providers.faulty import FaultPlan
 from providers.spec import SandboxSpec
-from tasks.leases import handle
 from tasks.pool_fill import FillOutcome
-from tests.e2e.conftest import eventually
+from tests.e2e.conftest import eventually, until_gone
 from tests.pools.conftest import (
     PoolRecorder,
     fill,
@@ -232,8 +230,7 @@ def test_members_that_never_become_ready_stay_counted_and_never_multiply(
     assert len(stuck) == 2 and len(members(rt)) == 2  # 5 ticks, still 2: nothing multiplied
     assert len(sandboxes(rt, "faulty")) == 2
     for member in stuck:  # their command exits at once: the sweep finds them unhealthy
-        eventually(lambda m=member: rt.provider("faulty").resume_check(handle(m), 1).outcome
-                   == ResumeOutcome.NOT_RESUMABLE, 10, "the member's process to exit")
+        until_gone(rt, "faulty", member.lease_id, "the member's process to exit")
         set_lease(rt, member.lease_id, acquire_deadline_at=utcnow())
     tally = stuck_provisioning(SweepContext(rt, effects))
     assert tally[StuckOutcome.DESTROY_ENQUEUED] == 2, tally.items
