@@ -40,6 +40,7 @@ from typing import Any
 from models.schema import (
     FINAL_STATES,
     LIVE_STATES,
+    ClaimedLease,
     LeaseRecord,
     LeaseState,
     ReclaimOutcome,
@@ -55,6 +56,9 @@ _JSON_COLUMNS = frozenset({"provider_meta", "spec"})
 # Positions in a leases row selected as LEASE_COLUMNS (SQLite stores these as text)
 _TIME_AT = tuple(i for i, c in enumerate(LEASE_COLUMNS) if c in _TIME_COLUMNS)
 _JSON_AT = tuple(i for i, c in enumerate(LEASE_COLUMNS) if c in _JSON_COLUMNS)
+# What a destroy's claim reads back (ClaimedLease's fields, in order)
+CLAIM_COLUMNS = tuple(f.name for f in fields(ClaimedLease))
+_CLAIM_JSON_AT = tuple(i for i, c in enumerate(CLAIM_COLUMNS) if c in _JSON_COLUMNS)
 _REUSE_AT = LEASE_COLUMNS.index("reuse")
 # Columns a transition may set besides the ones it always sets.
 SETTABLE = frozenset(LEASE_COLUMNS) - {"lease_id", "state", "updated_at", "version",
@@ -178,8 +182,7 @@ class RawSql:
             if raw is not None:
                 values[at] = parse_time(raw)
         for at in _JSON_AT:
-            raw = values[at]
-            values[at] = {} if raw is None or raw == "{}" else json.loads(raw)
+            values[at] = _json_value(values[at])
         values[_REUSE_AT] = bool(values[_REUSE_AT])
         return LeaseRecord(*values)
 
@@ -188,7 +191,7 @@ class RawSql:
         """Apply ``change`` on ``cur`` (inside the caller's transaction, or alone in
         autocommit on PostgreSQL); the new row, None if the lease is not in an expected
         state (or fails the guard), NotFound if there is no such lease."""
-        row = self._apply(cur, change, now, full=True)
+        row = self._apply(cur, change, now, LEASE_COLUMNS)
         if row is None:
             return None
         return LeaseRecord(*row) if self.pg else self.lease(row)
@@ -196,11 +199,24 @@ class RawSql:
     def move(self, cur: Any, change: Change, now: datetime) -> bool:
         """:meth:`transition` for a caller that needs no row back: whether it moved (a
         row converted costs more than the rest of the change's Python)."""
-        return self._apply(cur, change, now, full=False) is not None
+        return self._apply(cur, change, now, MOVED_COLUMNS) is not None
 
-    def _apply(self, cur: Any, change: Change, now: datetime, full: bool
+    def claim(self, cur: Any, change: Change, now: datetime) -> ClaimedLease | None:
+        """:meth:`transition` for a destroy's claim: only the columns it reads."""
+        row = self._apply(cur, change, now, CLAIM_COLUMNS)
+        if row is None:
+            return None
+        if self.pg:
+            return ClaimedLease(*row)
+        values = list(row)
+        for at in _CLAIM_JSON_AT:
+            values[at] = _json_value(values[at])
+        return ClaimedLease(*values)
+
+    def _apply(self, cur: Any, change: Change, now: datetime, returning: tuple[str, ...]
                ) -> tuple[Any, ...] | None:
-        """The change; the row it returns (all LEASE_COLUMNS, or only MOVED_COLUMNS)."""
+        """The change; the row it returns: the ``returning`` columns (LEASE_COLUMNS,
+        MOVED_COLUMNS or CLAIM_COLUMNS), in that order."""
         to = str(change.to)
         params: dict[str, Any] = {
             "lease_id": change.lease_id, "to": to, "now": self.time(now),
@@ -211,7 +227,7 @@ class RawSql:
         if change.guard_params:
             params.update(change.guard_params)
         statement = _statement(self.pg, change.expected, change.to, tuple(change.values),
-                               change.first_end_reason is not None, change.guard, full)
+                               change.first_end_reason is not None, change.guard, returning)
         if self.pg:
             params["reason"] = change.reason[:2000]
             cur.execute(statement, params)
@@ -223,7 +239,7 @@ class RawSql:
         if row is None:
             self._missed(cur, change, params)
             return None
-        prev_state_at, end_reason_at = _MOVED_AT if full else (0, 1)
+        prev_state_at, end_reason_at = _moved_at(returning)
         frm = params["frm"] = row[prev_state_at]
         if to in FINAL_STATES:
             end_reason = row[end_reason_at]
@@ -313,9 +329,19 @@ def _flips_possible(expected: frozenset[str], to: str) -> bool:
 
 _RETURNING = ", ".join(LEASE_COLUMNS)
 # What a change that returns no row still reads of the row it moved: the state it left
-# (its event) and its end reason (its runs' settlement)
+# (its event) and its end reason (its runs' settlement). Every shape returns them.
 MOVED_COLUMNS = ("prev_state", "end_reason")
-_MOVED_AT = tuple(LEASE_COLUMNS.index(c) for c in MOVED_COLUMNS)
+
+
+def _json_value(raw: str | None) -> Any:
+    """A JSON column's value as SQLite returns it (text)."""
+    return {} if raw is None or raw == "{}" else json.loads(raw)
+
+
+@functools.lru_cache(maxsize=8)
+def _moved_at(returning: tuple[str, ...]) -> tuple[int, int]:
+    """Where MOVED_COLUMNS are in a row of ``returning``."""
+    return returning.index("prev_state"), returning.index("end_reason")
 _INSERT_EVENT = ("INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, "
                  "task_id) VALUES (:lease_id, :now, :frm, :to, :reason, :task_id)")
 _SQLITE_ABORT_RUNS = (
@@ -328,17 +354,19 @@ _SQLITE_FLIP_RUNS = ("UPDATE runs SET reclaim_outcome = :becomes, reclaimed_at =
 
 @functools.lru_cache(maxsize=256)
 def _statement(pg: bool, expected: frozenset[str], to: LeaseState, columns: tuple[str, ...],
-               first_end_reason: bool, guard: str, full: bool = True) -> str:
+               first_end_reason: bool, guard: str,
+               returning: tuple[str, ...] = LEASE_COLUMNS) -> str:
     """The statement of every change of one shape (the states it moves between, the
     columns it sets, its guard, the row it returns), built once: only values differ."""
+    if not set(MOVED_COLUMNS) <= set(returning):
+        raise ValueError(f"a change must return {MOVED_COLUMNS}, not only {returning}")
     sets = _set_clause(expected, to, columns, first_end_reason)
     where = f"state IN ({_quoted(expected)})" + (f" AND ({guard})" if guard else "")
     if not pg:
-        returning = _RETURNING if full else ", ".join(MOVED_COLUMNS)
         return (f"UPDATE leases SET {sets} WHERE lease_id = :lease_id AND {where} "
-                f"RETURNING {returning}")
+                f"RETURNING {', '.join(returning)}")
     return _PARAM.sub(r"%(\1)s", _pg_transition(sets, where, to in FINAL_STATES,
-                                                _flips_possible(expected, to), full))
+                                                _flips_possible(expected, to), returning))
 
 
 def _set_clause(expected: frozenset[str], to: LeaseState, columns: tuple[str, ...],
@@ -356,16 +384,18 @@ def _set_clause(expected: frozenset[str], to: LeaseState, columns: tuple[str, ..
     return ", ".join(sets)
 
 
-def _pg_transition(sets: str, where: str, final: bool, flips: bool, full: bool) -> str:
+def _pg_transition(sets: str, where: str, final: bool, flips: bool,
+                   returning: tuple[str, ...]) -> str:
     """One statement: move the row if its state is expected (and the guard holds; an
     UPDATE's WHERE is evaluated again on the newest row version if another transaction
     changed it meanwhile), settle its runs, append the event naming ``prev_state``, the
-    state the UPDATE replaced; the new row (``full``, else its MOVED_COLUMNS), or no row
-    if nothing moved."""
-    returning = _RETURNING if full else ", ".join(MOVED_COLUMNS)
+    state the UPDATE replaced; the ``returning`` columns of the new row, or no row if
+    nothing moved."""
+    # the CTEs below read the moved row's id, the state it left and its end reason
+    read = ", ".join(dict.fromkeys(("lease_id", *MOVED_COLUMNS, *returning)))
     ctes = [
         f"moved AS (UPDATE leases SET {sets} WHERE lease_id = :lease_id AND {where} "
-        f"RETURNING {_RETURNING if full else 'lease_id, ' + returning})",
+        f"RETURNING {read})",
     ]
     note = "''"
     if final:
@@ -395,7 +425,7 @@ def _pg_transition(sets: str, where: str, final: bool, flips: bool, full: bool) 
         "ev AS (INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, "
         f"task_id) SELECT m.lease_id, :now, m.prev_state, :to, left(:reason || {note}, 2000), "
         ":task_id FROM moved AS m)")
-    return "WITH " + ", ".join(ctes) + f" SELECT {returning} FROM moved"
+    return "WITH " + ", ".join(ctes) + f" SELECT {', '.join(returning)} FROM moved"
 
 
 @functools.lru_cache(maxsize=16)

@@ -204,6 +204,24 @@ class LeaseRecord:
 AnyLease = Lease | LeaseRecord
 
 
+@dataclass(frozen=True, slots=True)
+class ClaimedLease:
+    """What a destroy reads of the lease it has just claimed (``Store.claim_to_destroy``):
+    the lease's provider and handle, its attempts so far, the state it left and its end
+    reason. Only these columns come back from the claim (a whole row, converted, cost
+    more than the rest of the claim's Python)."""
+
+    prev_state: str | None
+    end_reason: str | None
+    lease_id: str
+    provider: str
+    provider_lease_id: str
+    backend: str | None
+    provider_meta: dict[str, Any]
+    spec: dict[str, Any]
+    cleanup_attempts: int
+
+
 class Run(Base):
     __tablename__ = "runs"
 

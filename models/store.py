@@ -39,6 +39,7 @@ from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 from models.rawsql import Change, RawSql
 from models.schema import (
     TERMINAL_RUN_STATUSES,
+    ClaimedLease,
     Lease,
     LeaseEvent,
     LeaseRecord,
@@ -623,6 +624,15 @@ class Store:
                         first_end_reason, guard, guard_params)
         with self.raw_tx() as cur:
             return self.raw.transition(cur, change, utcnow())
+
+    def claim_to_destroy(self, lease_id: str, expected: Iterable[str], reason: str,
+                         task_id: str | None, first_end_reason: str) -> ClaimedLease | None:
+        """The destroy's claim: :meth:`transition` to destroying, reading back only what
+        the destroy needs of the lease (its provider, handle and attempts)."""
+        change = Change(lease_id, frozenset(expected), LeaseState.DESTROYING, reason,
+                        task_id, {}, first_end_reason)
+        with self.raw_tx() as cur:
+            return self.raw.claim(cur, change, utcnow())
 
     def move(self, lease_id: str, expected: Iterable[str], to: LeaseState, reason: str,
              task_id: str | None = None, first_end_reason: str | None = None,

@@ -63,9 +63,8 @@ def cleanup_delay_s(rt: Runtime, attempts: int) -> float:
 
 def destroy_lease(rt: Runtime, lease_id: str, reason: str, task_id: str | None) -> Destroyed:
     store = rt.store
-    claimed = store.transition(lease_id, DESTROYABLE, LeaseState.DESTROYING,
-                               f"destroy: {reason}", task_id,
-                               first_end_reason=reason[:64])
+    claimed = store.claim_to_destroy(lease_id, DESTROYABLE, f"destroy: {reason}", task_id,
+                                     first_end_reason=reason[:64])
     if claimed is None:
         current = store.get_lease(lease_id)
         if current.state in FINAL_STATES:

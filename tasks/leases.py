@@ -7,7 +7,7 @@ import os
 import time
 from datetime import datetime, timedelta
 
-from models.schema import AnyLease, utcnow
+from models.schema import AnyLease, ClaimedLease, utcnow
 from providers.base import LeaseHandle
 from providers.spec import SandboxSpec
 
@@ -26,7 +26,7 @@ def sandbox_key(spec: SandboxSpec, provider: str, run_id: str) -> str:
     return "sk-" + hashlib.sha256(parts.encode()).hexdigest()[:40]
 
 
-def handle(lease: AnyLease) -> LeaseHandle:
+def handle(lease: AnyLease | ClaimedLease) -> LeaseHandle:
     """What the provider needs to find the lease's resources. The backend is the one the
     provider reported; a lease that never became active (its acquire failed or died after
     creating something) has none yet, so the one its spec asked for, or "" (the provider's

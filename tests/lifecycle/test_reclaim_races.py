@@ -32,12 +32,12 @@ class RacingStore(Store):
         super().__init__(url)
         self.meanwhile: Callable[[Store], Any] | None = meanwhile
 
-    def transition(self, lease_id: str, expected: Any, to: LeaseState, reason: str,
-                   task_id: str | None = None, **values: Any) -> Any:
-        if to == LeaseState.DESTROYING and self.meanwhile is not None:
+    def claim_to_destroy(self, lease_id: str, expected: Any, reason: str,
+                         task_id: str | None, first_end_reason: str) -> Any:
+        if self.meanwhile is not None:
             act, self.meanwhile = self.meanwhile, None
             act(self)
-        return super().transition(lease_id, expected, to, reason, task_id, **values)
+        return super().claim_to_destroy(lease_id, expected, reason, task_id, first_end_reason)
 
 
 def racing(rt: Runtime, meanwhile: Callable[[Store], Any]) -> Runtime:

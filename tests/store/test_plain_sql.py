@@ -17,7 +17,16 @@ import pytest
 from sqlalchemy import text, update
 
 from models.migrate import upgrade
-from models.schema import Lease, LeaseRecord, LeaseState, ReclaimOutcome, Run, RunStatus, utcnow
+from models.schema import (
+    ClaimedLease,
+    Lease,
+    LeaseRecord,
+    LeaseState,
+    ReclaimOutcome,
+    Run,
+    RunStatus,
+    utcnow,
+)
 from models.store import LiveLeaseExists, NewLease, Store
 from providers.errors import NotFound, StoreUnavailable
 from tests.services import PostgresServer
@@ -83,6 +92,30 @@ def test_the_event_names_the_state_really_left(store: Store) -> None:
     assert moved is not None and moved.state == LeaseState.DESTROYING
     assert moved.end_reason == "requested" and moved.live_key is None and moved.version == 3
     assert store.events("l1")[-1].from_state == LeaseState.ACTIVE
+
+
+def test_a_destroy_claim_reads_back_what_a_destroy_needs(store: Store) -> None:
+    store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), None)
+    store.move("l1", {LeaseState.PROVISIONING}, LeaseState.ACTIVE, "ready", backend="proc",
+               provider_meta={"pid": 42, "dir": "/x"})
+    # when a destroy claims the lease
+    claimed = store.claim_to_destroy("l1", {LeaseState.ACTIVE, LeaseState.PENDING_CLEANUP},
+                                     "destroy: requested", "task-9", first_end_reason="requested")
+    # then it reads the lease's provider, handle and attempts, as the store now holds them
+    lease = store.get_lease("l1")
+    assert claimed == ClaimedLease(
+        prev_state=LeaseState.ACTIVE, end_reason="requested", lease_id="l1",
+        provider="local", provider_lease_id="lk-l1", backend="proc",
+        provider_meta={"pid": 42, "dir": "/x"}, spec={"tenant": "acme", "labels": {"team": "a"}},
+        cleanup_attempts=0)
+    assert (lease.state, lease.end_reason, lease.live_key) == (
+        LeaseState.DESTROYING, "requested", None)
+    assert [(e.from_state, e.to_state, e.reason, e.task_id) for e in store.events("l1")][-1] == (
+        LeaseState.ACTIVE, LeaseState.DESTROYING, "destroy: requested", "task-9")
+    # and a second claim, or one of a missing lease, takes nothing
+    assert store.claim_to_destroy("l1", {LeaseState.ACTIVE}, "again", None, "x") is None
+    with pytest.raises(NotFound, match="no lease 'nope'"):
+        store.claim_to_destroy("nope", {LeaseState.ACTIVE}, "x", None, "x")
 
 
 def test_the_first_end_reason_wins(store: Store) -> None:
