@@ -35,6 +35,8 @@ test: $(STAMP) system-deps kube-binaries lint
 # Benchmarks print JSON. kube_ops needs the Kubernetes binaries (built once, cached).
 bench: $(STAMP) system-deps kube-binaries
 	$(PY) bench/throughput.py
+	$(PY) bench/cold_bodies.py --store sqlite
+	$(PY) bench/cold_bodies.py --store postgres
 	$(PY) bench/priority.py --cleanup-worker
 	$(PY) bench/sweeps.py
 	$(PY) bench/memory.py
