@@ -342,6 +342,8 @@ def _json_value(raw: str | None) -> Any:
 def _moved_at(returning: tuple[str, ...]) -> tuple[int, int]:
     """Where MOVED_COLUMNS are in a row of ``returning``."""
     return returning.index("prev_state"), returning.index("end_reason")
+
+
 _INSERT_EVENT = ("INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, "
                  "task_id) VALUES (:lease_id, :now, :frm, :to, :reason, :task_id)")
 _SQLITE_ABORT_RUNS = (
@@ -354,8 +356,7 @@ _SQLITE_FLIP_RUNS = ("UPDATE runs SET reclaim_outcome = :becomes, reclaimed_at =
 
 @functools.lru_cache(maxsize=256)
 def _statement(pg: bool, expected: frozenset[str], to: LeaseState, columns: tuple[str, ...],
-               first_end_reason: bool, guard: str,
-               returning: tuple[str, ...] = LEASE_COLUMNS) -> str:
+               first_end_reason: bool, guard: str, returning: tuple[str, ...]) -> str:
     """The statement of every change of one shape (the states it moves between, the
     columns it sets, its guard, the row it returns), built once: only values differ."""
     if not set(MOVED_COLUMNS) <= set(returning):
