@@ -81,27 +81,15 @@ def main() -> None:
 
 
 def bench(args: argparse.Namespace, url: str, server_pid: int | None) -> dict[str, Any]:
-    import psutil
-
+    from bench.throughput import CpuClock
     from models.migrate import upgrade
     from tasks.acquire import acquire
     from tasks.destroy import destroy
     from tasks.diag import ping
 
     upgrade(url)
-    server = psutil.Process(server_pid) if server_pid else None
-
-    def server_cpu_s() -> float:
-        if server is None:
-            return 0.0
-        spent = 0.0
-        for proc in [server, *server.children(recursive=True)]:
-            try:
-                times = proc.cpu_times()
-            except psutil.Error:
-                continue
-            spent += times.user + times.system
-        return spent
+    # the server and its backends (none with SQLite)
+    server_cpu_s = CpuClock({"postgres": server_pid} if server_pid else {})
 
     def lifecycle(cold: bool) -> float:
         started = time.process_time()
@@ -146,7 +134,7 @@ def bench(args: argparse.Namespace, url: str, server_pid: int | None) -> dict[st
         found[mode] = {"lifecycle_us_per_pair": round(life_us),
                        "ping_us_per_pair": round(ping_us),
                        "ratio": round(ping_us / (life_us + server_us), 3)}
-        if server is not None:  # the lifecycle's statements, on the server's side
+        if server_pid is not None:  # the lifecycle's statements, on the server's side
             found[mode]["server_us_per_pair"] = round(server_us)
     with timed_store_calls() as spent_s:  # a pass of its own: the timing costs a little
         for _ in range(args.pairs):
