@@ -271,30 +271,28 @@ class RawSql:
         return row
 
     # -- a new run and its lease intent ------------------------------------------------
-    def start_run_with_intent(self, cur: Any, run: Mapping[str, Any],
-                              lease: Mapping[str, Any], event_reason: str,
+    def start_run_with_intent(self, cur: Any, intent: Mapping[str, Any], reason: str,
                               task_id: str | None, now: datetime) -> bool:
         """Insert a new run, bound to a new lease intent, and the intent's event, in the
-        caller's transaction (one statement on PostgreSQL). False, and nothing written, if
-        the run already exists; a live lease on the key raises the driver's IntegrityError
-        (the caller rolls back)."""
-        params: dict[str, Any] = {
-            **{f"r_{k}": v for k, v in run.items()},
-            **{f"l_{k}": self.param(k, v) for k, v in lease.items()},
-            "now": self.time(now), "reason": event_reason[:2000], "task_id": task_id,
-        }
+        caller's transaction (one statement on PostgreSQL). ``intent`` has INTENT_FIELDS:
+        what differs between intents; the rest (a new run's and a new intent's constants,
+        and ``now`` for every time it records) is in the statement. False, and nothing
+        written, if the run already exists; a live lease on the key raises the driver's
+        IntegrityError (the caller rolls back)."""
+        params = dict(intent)
+        params["spec"] = self.json(intent["spec"])
+        params["acquire_deadline_at"] = self.time(intent["acquire_deadline_at"])
+        params["deadline_at"] = self.time(intent["deadline_at"])
+        params["now"], params["reason"], params["task_id"] = (
+            self.time(now), reason[:2000], task_id)
         if self.pg:
-            cur.execute(self.sql(_pg_start_with_intent(tuple(run), tuple(lease))), params)
+            cur.execute(_PG_START_WITH_INTENT, params)
             return bool(cur.fetchone()[0])
-        inserted = cur.execute(_insert_run(tuple(run)), params).fetchone()
-        if inserted is None:
+        if cur.execute(_INSERT_NEW_RUN, params).fetchone() is None:
             return False
-        cur.execute(_insert_lease(tuple(lease)), params)
-        params["lease_id"], params["frm"], params["to"] = (
-            lease["lease_id"], None, LeaseState.PROVISIONING.value)
-        cur.execute(_INSERT_EVENT, params)
+        cur.execute(_INSERT_INTENT, params)
+        cur.execute(_INSERT_INTENT_EVENT, params)
         return True
-
 
     # -- a warm pool member taken by a run ---------------------------------------------
     def claim_member(self, cur: Any, claim: Mapping[str, Any], reason: str,
@@ -436,23 +434,36 @@ def _insert_run(columns: tuple[str, ...]) -> str:
             "ON CONFLICT (run_id) DO NOTHING RETURNING run_id")
 
 
-@functools.lru_cache(maxsize=16)
-def _insert_lease(columns: tuple[str, ...]) -> str:
-    return (f"INSERT INTO leases ({', '.join(columns)}) VALUES "
-            f"({', '.join(f':l_{c}' for c in columns)})")
-
-
-@functools.lru_cache(maxsize=16)
-def _pg_start_with_intent(run_columns: tuple[str, ...], lease_columns: tuple[str, ...]) -> str:
-    return (
-        f"WITH run AS (INSERT INTO runs ({', '.join(run_columns)}) VALUES "
-        f"({', '.join(f':r_{c}' for c in run_columns)}) "
-        "ON CONFLICT (run_id) DO NOTHING RETURNING run_id), "
-        f"lease AS (INSERT INTO leases ({', '.join(lease_columns)}) SELECT "
-        f"{', '.join(f':l_{c}' for c in lease_columns)} FROM run RETURNING lease_id), "
-        "ev AS (INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, "
-        f"task_id) SELECT lease_id, :now, NULL, '{LeaseState.PROVISIONING}', :reason, "
-        ":task_id FROM lease) SELECT count(*) FROM run")
+# A new run (running, nothing requested or due yet) and its lease intent (provisioning,
+# live on its key, no provider meta yet, version 1), both recorded ``now``.
+INTENT_FIELDS = ("run_id", "lease_id", "thread_id", "provider", "sandbox_key",
+                 "provider_lease_id", "reuse", "tenant", "spec", "acquire_deadline_at",
+                 "deadline_at", "idle_timeout_s", "pool")
+_NEW_RUN = (
+    "INSERT INTO runs (run_id, thread_id, status, provider, sandbox_key, lease_id, "
+    "started_at, cancel_requested, reclaim_due) VALUES (:run_id, :thread_id, "
+    f"'{RunStatus.RUNNING}', :provider, :sandbox_key, :lease_id, :now, {{false}}, {{false}}) "
+    "ON CONFLICT (run_id) DO NOTHING RETURNING run_id")
+_INTENT_COLUMNS = (
+    "lease_id, sandbox_key, live_key, provider, provider_lease_id, provider_meta, state, "
+    "reuse, tenant, thread_id, run_id, spec, created_at, updated_at, acquire_deadline_at, "
+    "deadline_at, idle_timeout_s, cleanup_attempts, version, pool")
+_INTENT_VALUES = (
+    ":lease_id, :sandbox_key, :sandbox_key, :provider, :provider_lease_id, '{}', "
+    f"'{LeaseState.PROVISIONING}', :reuse, :tenant, :thread_id, :run_id, :spec, :now, :now, "
+    ":acquire_deadline_at, :deadline_at, :idle_timeout_s, 0, 1, :pool")
+_INTENT_EVENT = ("INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, "
+                 f"task_id) {{source}} :now, NULL, '{LeaseState.PROVISIONING}', :reason, "
+                 ":task_id")
+_INSERT_NEW_RUN = _NEW_RUN.format(false=0)
+_INSERT_INTENT = f"INSERT INTO leases ({_INTENT_COLUMNS}) VALUES ({_INTENT_VALUES})"
+_INSERT_INTENT_EVENT = _INTENT_EVENT.format(source="VALUES (:lease_id,") + ")"
+_PG_START_WITH_INTENT = _PARAM.sub(r"%(\1)s", (
+    f"WITH run AS ({_NEW_RUN.format(false='false')}), "
+    f"lease AS (INSERT INTO leases ({_INTENT_COLUMNS}) SELECT {_INTENT_VALUES} FROM run "
+    "RETURNING lease_id), "
+    f"ev AS ({_INTENT_EVENT.format(source='SELECT lease_id,')} FROM lease) "
+    "SELECT count(*) FROM run"))
 
 
 # A claim takes the pool's oldest warm member (partial index ix_leases_warm_pool_created).

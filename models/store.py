@@ -571,32 +571,31 @@ class Store:
         PostgreSQL): the common acquire. None, with nothing written, if the run already
         exists (the caller takes the general path); LiveLeaseExists if the key has a live
         lease (nothing written either: not even the run)."""
+        if new.run_id != run_id:
+            raise ValueError(f"the intent of run {run_id} names run {new.run_id}")
         now = utcnow()
-        run = {"run_id": run_id, "thread_id": new.thread_id, "status": RunStatus.RUNNING.value,
-               "provider": new.provider, "sandbox_key": new.sandbox_key,
-               "lease_id": new.lease_id, "started_at": self.raw.time(now),
-               "cancel_requested": False, "reclaim_due": False}
-        lease: dict[str, Any] = {"lease_id": new.lease_id, "sandbox_key": new.sandbox_key,
-                 "live_key": new.sandbox_key, "provider": new.provider,
-                 "provider_lease_id": new.provider_lease_id, "provider_meta": {},
-                 "state": LeaseState.PROVISIONING.value, "reuse": new.reuse,
-                 "tenant": new.tenant, "thread_id": new.thread_id, "run_id": new.run_id,
-                 "spec": new.spec, "created_at": now, "updated_at": now,
-                 "acquire_deadline_at": new.acquire_deadline_at,
-                 "deadline_at": new.deadline_at, "idle_timeout_s": new.idle_timeout_s,
-                 "cleanup_attempts": 0, "version": 1, "pool": new.pool}
+        intent = {"run_id": run_id, "lease_id": new.lease_id, "thread_id": new.thread_id,
+                  "provider": new.provider, "sandbox_key": new.sandbox_key,
+                  "provider_lease_id": new.provider_lease_id, "reuse": new.reuse,
+                  "tenant": new.tenant, "spec": new.spec,
+                  "acquire_deadline_at": new.acquire_deadline_at,
+                  "deadline_at": new.deadline_at, "idle_timeout_s": new.idle_timeout_s,
+                  "pool": new.pool}
         try:
             with self.raw_tx() as cur:
                 if not self.raw.start_run_with_intent(
-                        cur, run, lease, f"intent recorded for run {run_id}", task_id, now):
+                        cur, intent, f"intent recorded for run {run_id}", task_id, now):
                     return None
         except self.dbapi.IntegrityError:
             raise LiveLeaseExists(
                 f"sandbox key {new.sandbox_key!r} already has a live lease") from None
-        return LeaseRecord(**{**lease, "backend": None, "live_key": new.sandbox_key,
-                              "ready_at": None, "idle_deadline_at": None,
-                              "next_cleanup_at": None, "end_reason": None,
-                              "last_error": None, "claimed_at": None, "prev_state": None})
+        # what the statement wrote (models/rawsql.py: a new intent's constants)
+        return LeaseRecord(
+            new.lease_id, new.sandbox_key, new.sandbox_key, new.provider,
+            new.provider_lease_id, None, {}, LeaseState.PROVISIONING.value, new.reuse,
+            new.tenant, new.thread_id, run_id, new.spec, now, now, None,
+            new.acquire_deadline_at, new.deadline_at, new.idle_timeout_s, None, 0, None,
+            None, None, 1, new.pool, None, None)
 
     def transition(
         self,
