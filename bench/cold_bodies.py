@@ -10,7 +10,11 @@ the tasks' CPU. It reproduces what the pool processes spend (about 1.4 ms per
 acquire+destroy pair on SQLite) with less noise than a worker, and says how much of it
 the store's calls are: a change to the bodies can be tried here before bench/compare.py.
 Prints JSON; ``ratio`` is a ping pair's CPU over a lifecycle pair's (with the PostgreSQL
-server's, whose backends' caches the same machine's work also evicts).
+server's, whose backends' caches the same machine's work also evicts). ``floor_us_per_pair``
+(and ``floor_server_us_per_pair``) is what four durable transactions of one small insert
+each cost on the same path, cold: the least a pair can cost in the store, since the
+guarantees need four (the intent before the create, the activation, the destroy's claim
+before the delete, its end).
 
     python bench/cold_bodies.py [--store sqlite|postgres] [--pairs 300] [--rounds 7]
 """
@@ -124,9 +128,11 @@ def bench(args: argparse.Namespace, url: str, server_pid: int | None) -> dict[st
         return (statistics.median(r[0] for r in rounds) / args.pairs * 1e6,
                 statistics.median(r[1] for r in rounds) / args.pairs * 1e6)
 
+    floor_pair = four_writes()
     for _ in range(200):  # connections, prepared statements, the statement caches
         lifecycle(True)
         pings(True)
+        floor_pair(True)
     found: dict[str, dict[str, float]] = {}
     for mode, cold in (("cold", True), ("warm", False)):
         life_us, server_us = per_pair_us(lifecycle, cold)
@@ -136,6 +142,11 @@ def bench(args: argparse.Namespace, url: str, server_pid: int | None) -> dict[st
                        "ratio": round(ping_us / (life_us + server_us), 3)}
         if server_pid is not None:  # the lifecycle's statements, on the server's side
             found[mode]["server_us_per_pair"] = round(server_us)
+    # the least four durable transactions cost on this store, as the lifecycle's run
+    floor_us, floor_server_us = per_pair_us(floor_pair, True)
+    found["cold"]["floor_us_per_pair"] = round(floor_us)
+    if server_pid is not None:
+        found["cold"]["floor_server_us_per_pair"] = round(floor_server_us)
     with timed_store_calls() as spent_s:  # a pass of its own: the timing costs a little
         for _ in range(args.pairs):
             lifecycle(True)
@@ -144,6 +155,38 @@ def bench(args: argparse.Namespace, url: str, server_pid: int | None) -> dict[st
                                     / found["warm"]["lifecycle_us_per_pair"], 2),
             "store_calls_cold_us_per_pair": {
                 name: round(spent_s[name] / args.pairs * 1e6) for name in STORE_CALLS}}
+
+
+def four_writes() -> Callable[[bool], float]:
+    """A pair's floor: the four transactions the guarantees need (the intent, the
+    activation, the destroy's claim, its end), each one row inserted into a table with
+    no index but its key, on the lifecycle's own connection and transaction path (the
+    writers' lock, ``BEGIN IMMEDIATE`` and commit on SQLite; one statement in autocommit
+    on PostgreSQL), with the caches evicted after every two, as after each task. What
+    the lifecycle costs over this is its own work."""
+    from sqlalchemy import text
+
+    from workers.runtime import get_runtime
+
+    store = get_runtime().store
+    with store.engine.begin() as conn:
+        key = "integer" if store.raw.dialect == "sqlite" else "bigserial"
+        conn.execute(text(f"CREATE TABLE IF NOT EXISTS bench_floor (id {key} PRIMARY KEY, "
+                          "at text)"))
+    insert = store.raw.sql("INSERT INTO bench_floor (at) VALUES (:at)")
+
+    def pair(cold: bool) -> float:
+        spent = 0.0
+        for i in range(4):
+            started = time.process_time()
+            with store.raw_tx() as cur:
+                cur.execute(insert, {"at": "x"})
+            spent += time.process_time() - started
+            if cold and i % 2:
+                pollute()
+        return spent
+
+    return pair
 
 
 @contextmanager
