@@ -274,9 +274,11 @@ class RawSql:
     def start_run_with_intent(self, cur: Any, intent: Mapping[str, Any], reason: str,
                               task_id: str | None, now: datetime) -> bool:
         """Insert a new run, bound to a new lease intent, and the intent's event, in the
-        caller's transaction (one statement on PostgreSQL). ``intent`` has INTENT_FIELDS:
-        what differs between intents; the rest (a new run's and a new intent's constants,
-        and ``now`` for every time it records) is in the statement. False, and nothing
+        caller's transaction (one statement on PostgreSQL). ``intent`` has what differs
+        between intents (run_id, lease_id, thread_id, provider, sandbox_key,
+        provider_lease_id, reuse, tenant, spec, acquire_deadline_at, deadline_at,
+        idle_timeout_s, pool); the rest (a new run's and a new intent's constants, and
+        ``now`` for every time it records) is in the statement. False, and nothing
         written, if the run already exists; a live lease on the key raises the driver's
         IntegrityError (the caller rolls back)."""
         params = dict(intent)
@@ -436,9 +438,6 @@ def _insert_run(columns: tuple[str, ...]) -> str:
 
 # A new run (running, nothing requested or due yet) and its lease intent (provisioning,
 # live on its key, no provider meta yet, version 1), both recorded ``now``.
-INTENT_FIELDS = ("run_id", "lease_id", "thread_id", "provider", "sandbox_key",
-                 "provider_lease_id", "reuse", "tenant", "spec", "acquire_deadline_at",
-                 "deadline_at", "idle_timeout_s", "pool")
 _NEW_RUN = (
     "INSERT INTO runs (run_id, thread_id, status, provider, sandbox_key, lease_id, "
     "started_at, cancel_requested, reclaim_due) VALUES (:run_id, :thread_id, "

@@ -591,11 +591,15 @@ class Store:
                 f"sandbox key {new.sandbox_key!r} already has a live lease") from None
         # what the statement wrote (models/rawsql.py: a new intent's constants)
         return LeaseRecord(
-            new.lease_id, new.sandbox_key, new.sandbox_key, new.provider,
-            new.provider_lease_id, None, {}, LeaseState.PROVISIONING.value, new.reuse,
-            new.tenant, new.thread_id, run_id, new.spec, now, now, None,
-            new.acquire_deadline_at, new.deadline_at, new.idle_timeout_s, None, 0, None,
-            None, None, 1, new.pool, None, None)
+            lease_id=new.lease_id, sandbox_key=new.sandbox_key, live_key=new.sandbox_key,
+            provider=new.provider, provider_lease_id=new.provider_lease_id, backend=None,
+            provider_meta={}, state=LeaseState.PROVISIONING.value, reuse=new.reuse,
+            tenant=new.tenant, thread_id=new.thread_id, run_id=run_id, spec=new.spec,
+            created_at=now, updated_at=now, ready_at=None,
+            acquire_deadline_at=new.acquire_deadline_at, deadline_at=new.deadline_at,
+            idle_timeout_s=new.idle_timeout_s, idle_deadline_at=None, cleanup_attempts=0,
+            next_cleanup_at=None, end_reason=None, last_error=None, version=1,
+            pool=new.pool, claimed_at=None, prev_state=None)
 
     def transition(
         self,
