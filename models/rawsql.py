@@ -263,10 +263,13 @@ class RawSql:
             raise NotFound(f"no lease {change.lease_id!r} in the store")
 
     # -- runs ---------------------------------------------------------------------------
-    def insert_run(self, cur: Any, run: Mapping[str, Any]) -> tuple[Any, ...] | None:
-        """Insert the run unless it exists; a row (its id) if this call inserted it."""
-        cur.execute(self.sql(_insert_run(tuple(run))),
-                    {f"r_{k}": v for k, v in run.items()})
+    def insert_run(self, cur: Any, run_id: str, thread_id: str | None, provider: str,
+                   sandbox_key: str, now: datetime) -> tuple[Any, ...] | None:
+        """Insert a new run, with no lease yet, unless it exists; a row (its id) if this
+        call inserted it."""
+        cur.execute(self.sql(_NEW_RUN), {
+            "run_id": run_id, "thread_id": thread_id, "provider": provider,
+            "sandbox_key": sandbox_key, "lease_id": None, "now": self.time(now)})
         row: tuple[Any, ...] | None = cur.fetchone()
         return row
 
@@ -290,10 +293,11 @@ class RawSql:
         if self.pg:
             cur.execute(_PG_START_WITH_INTENT, params)
             return bool(cur.fetchone()[0])
-        if cur.execute(_INSERT_NEW_RUN, params).fetchone() is None:
+        if cur.execute(_NEW_RUN, params).fetchone() is None:
             return False
         cur.execute(_INSERT_INTENT, params)
-        cur.execute(_INSERT_INTENT_EVENT, params)
+        params["frm"], params["to"] = None, LeaseState.PROVISIONING.value
+        cur.execute(_INSERT_EVENT, params)
         return True
 
     # -- a warm pool member taken by a run ---------------------------------------------
@@ -429,19 +433,12 @@ def _pg_transition(sets: str, where: str, final: bool, flips: bool,
     return "WITH " + ", ".join(ctes) + f" SELECT {', '.join(returning)} FROM moved"
 
 
-@functools.lru_cache(maxsize=16)
-def _insert_run(columns: tuple[str, ...]) -> str:
-    return (f"INSERT INTO runs ({', '.join(columns)}) VALUES "
-            f"({', '.join(f':r_{c}' for c in columns)}) "
-            "ON CONFLICT (run_id) DO NOTHING RETURNING run_id")
-
-
 # A new run (running, nothing requested or due yet) and its lease intent (provisioning,
 # live on its key, no provider meta yet, version 1), both recorded ``now``.
 _NEW_RUN = (
     "INSERT INTO runs (run_id, thread_id, status, provider, sandbox_key, lease_id, "
     "started_at, cancel_requested, reclaim_due) VALUES (:run_id, :thread_id, "
-    f"'{RunStatus.RUNNING}', :provider, :sandbox_key, :lease_id, :now, {{false}}, {{false}}) "
+    f"'{RunStatus.RUNNING}', :provider, :sandbox_key, :lease_id, :now, false, false) "
     "ON CONFLICT (run_id) DO NOTHING RETURNING run_id")
 _INTENT_COLUMNS = (
     "lease_id, sandbox_key, live_key, provider, provider_lease_id, provider_meta, state, "
@@ -451,18 +448,14 @@ _INTENT_VALUES = (
     ":lease_id, :sandbox_key, :sandbox_key, :provider, :provider_lease_id, '{}', "
     f"'{LeaseState.PROVISIONING}', :reuse, :tenant, :thread_id, :run_id, :spec, :now, :now, "
     ":acquire_deadline_at, :deadline_at, :idle_timeout_s, 0, 1, :pool")
-_INTENT_EVENT = ("INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, "
-                 f"task_id) {{source}} :now, NULL, '{LeaseState.PROVISIONING}', :reason, "
-                 ":task_id")
-_INSERT_NEW_RUN = _NEW_RUN.format(false=0)
 _INSERT_INTENT = f"INSERT INTO leases ({_INTENT_COLUMNS}) VALUES ({_INTENT_VALUES})"
-_INSERT_INTENT_EVENT = _INTENT_EVENT.format(source="VALUES (:lease_id,") + ")"
 _PG_START_WITH_INTENT = _PARAM.sub(r"%(\1)s", (
-    f"WITH run AS ({_NEW_RUN.format(false='false')}), "
+    f"WITH run AS ({_NEW_RUN}), "
     f"lease AS (INSERT INTO leases ({_INTENT_COLUMNS}) SELECT {_INTENT_VALUES} FROM run "
     "RETURNING lease_id), "
-    f"ev AS ({_INTENT_EVENT.format(source='SELECT lease_id,')} FROM lease) "
-    "SELECT count(*) FROM run"))
+    "ev AS (INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, "
+    f"task_id) SELECT lease_id, :now, NULL, '{LeaseState.PROVISIONING}', :reason, "
+    ":task_id FROM lease) SELECT count(*) FROM run"))
 
 
 # A claim takes the pool's oldest warm member (partial index ix_leases_warm_pool_created).

@@ -449,11 +449,7 @@ class Store:
         is not a new run's own sandbox starts here), a read only if the run existed."""
         now = utcnow()
         with self.raw_tx() as cur:
-            row = self.raw.insert_run(cur, {
-                "run_id": run_id, "thread_id": thread_id, "status": RunStatus.RUNNING.value,
-                "provider": provider, "sandbox_key": sandbox_key,
-                "started_at": self.raw.time(now), "cancel_requested": False,
-                "reclaim_due": False})
+            row = self.raw.insert_run(cur, run_id, thread_id, provider, sandbox_key, now)
         if row is not None:
             return Run(run_id=run_id, thread_id=thread_id, status=RunStatus.RUNNING,
                        provider=provider, sandbox_key=sandbox_key, started_at=now,
