@@ -242,7 +242,12 @@ class LocalProvider:
 
     # -- contract -----------------------------------------------------------------------
     def check_spec(self, spec: SandboxSpec) -> None:
-        """The command must exist: on the sandbox's PATH, or as a path to an executable."""
+        """One backend, ``process``; the command must exist: on the sandbox's PATH, or as
+        a path to an executable."""
+        if spec.backend not in (None, self.backend):
+            raise TerminalProviderError(
+                f"local: unknown backend {echo(spec.backend)}; the local provider has one, "
+                f"{self.backend!r} (leave backend unset)")
         if not spec.command:
             return
         program = spec.command[0]

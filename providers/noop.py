@@ -14,7 +14,8 @@ from providers.base import (
     ManagedResource,
     ResumeResult,
 )
-from providers.spec import SandboxSpec
+from providers.errors import TerminalProviderError
+from providers.spec import SandboxSpec, echo
 
 
 class NoopProvider:
@@ -24,7 +25,10 @@ class NoopProvider:
         return f"lk-{lease_id}"
 
     def check_spec(self, spec: SandboxSpec) -> None:
-        return None
+        if spec.backend not in (None, "none"):
+            raise TerminalProviderError(
+                f"noop: unknown backend {echo(spec.backend)}; the noop provider has one, "
+                "'none' (leave backend unset)")
 
     def acquire(self, request: AcquireRequest) -> Acquired:
         return Acquired(AcquireOutcome.CREATED, "none", {})

@@ -12,11 +12,22 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    field_validator,
+    model_validator,
+)
 
 ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
 ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
-LABEL_KEY = re.compile(r"^[a-z0-9]([-a-z0-9_.]{0,61}[a-z0-9])?$")
+# A Kubernetes label key: an optional DNS-subdomain prefix and '/', then a name
+LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?"
+                       r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+RESERVED_LABEL_PREFIX = "leasekeeper.dev/"  # the labels that say which lease owns what
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 TENANT = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 POOL_NAME = TENANT  # a DNS label of at most 40 characters (it becomes a label value)
@@ -33,6 +44,7 @@ MAX_ENV_VALUE_CHARS = 32768
 MAX_LABELS = 64
 MAX_NAME_CHARS = 253  # image, provider, backend, resource quantities
 MAX_SPEC_CHARS = 128 * 1024  # command, env and secret_env together
+MAX_DURATION_S = 366 * 24 * 3600  # a lease's ttl and idle timeout: a year (and a day)
 
 
 def echo(value: object) -> str:
@@ -52,11 +64,30 @@ def check_id(kind: str, value: object) -> str:
     return value
 
 
-Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
-Quantity = Annotated[str, Field(min_length=1, max_length=32)]
-EnvValue = Annotated[str, Field(max_length=MAX_ENV_VALUE_CHARS)]
-SecretValue = Annotated[SecretStr, Field(max_length=MAX_ENV_VALUE_CHARS)]
-Arg = Annotated[str, Field(max_length=MAX_COMMAND_ARG_CHARS)]
+def _no_nul(value: str) -> str:
+    # execve() and every container runtime end a string at its first NUL: refused here,
+    # not found out by the provider after the lease intent is written
+    if "\0" in value:
+        raise ValueError("must not contain a NUL character (\\0)")
+    return value
+
+
+def _secret(value: SecretStr) -> SecretStr:
+    """A secret's bounds, checked without its value in any message."""
+    raw = value.get_secret_value()
+    if len(raw) > MAX_ENV_VALUE_CHARS:
+        raise ValueError(f"a secret value may be at most {MAX_ENV_VALUE_CHARS} characters; "
+                         f"this one has {len(raw)}")
+    _no_nul(raw)
+    return value
+
+
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_no_nul)]
+Quantity = Annotated[str, Field(min_length=1, max_length=32), AfterValidator(_no_nul)]
+EnvValue = Annotated[str, Field(max_length=MAX_ENV_VALUE_CHARS), AfterValidator(_no_nul)]
+SecretValue = Annotated[SecretStr, AfterValidator(_secret)]
+Arg = Annotated[str, Field(max_length=MAX_COMMAND_ARG_CHARS), AfterValidator(_no_nul)]
+Duration = Annotated[int, Field(gt=0, le=MAX_DURATION_S)]
 
 
 class Resources(BaseModel):
@@ -83,8 +114,8 @@ class SandboxSpec(BaseModel):
     env: dict[str, EnvValue] = Field(default_factory=dict, max_length=MAX_ENV_VARS)
     secret_env: dict[str, SecretValue] = Field(default_factory=dict, max_length=MAX_ENV_VARS)
     labels: dict[str, str] = Field(default_factory=dict, max_length=MAX_LABELS)
-    ttl_s: int | None = Field(default=None, gt=0)
-    idle_timeout_s: int | None = Field(default=None, gt=0)
+    ttl_s: Duration | None = None
+    idle_timeout_s: Duration | None = None
     resources: Resources | None = None
     # A warm pool to claim a ready sandbox from (workers/pool_settings.py); the pool's
     # template fills in provider, backend, image, command and resources.
@@ -126,9 +157,14 @@ class SandboxSpec(BaseModel):
         for key, val in value.items():
             if not LABEL_KEY.match(key) or not LABEL_VALUE.match(val):
                 raise ValueError(
-                    f"label {echo(key)} is not a valid Kubernetes label key/value "
-                    "(keys: lowercase alphanumerics, '-', '_', '.'; values up to 63 characters)"
+                    f"label {echo(key)} is not a valid Kubernetes label key/value (keys: "
+                    "[prefix/]name, a name of up to 63 alphanumerics, '-', '_', '.', a prefix "
+                    "a lowercase DNS subdomain; values up to 63 characters)"
                 )
+            if key.startswith(RESERVED_LABEL_PREFIX):
+                raise ValueError(
+                    f"label {echo(key)}: the {RESERVED_LABEL_PREFIX} prefix is leasekeeper's "
+                    "own (its labels say which lease owns a resource); use another prefix")
         return value
 
     def total_chars(self) -> int:

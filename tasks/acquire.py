@@ -26,7 +26,7 @@ from datetime import timedelta
 from enum import StrEnum
 from typing import Any
 
-from celery.exceptions import Retry
+from celery.exceptions import Retry, SoftTimeLimitExceeded
 
 from models.schema import AnyLease, LeaseState, RunStatus, utcnow
 from models.store import LiveLeaseExists, NewLease, RunChange
@@ -273,6 +273,17 @@ def _provision(
             raise  # the lease stays provisioning; the retry adopts what exists (and delivers)
         _cleanup_failed(rt, lease_id, exc, task_id)
         raise
+    except SoftTimeLimitExceeded:
+        raise  # the lease stays provisioning: sweep.stuck_provisioning ends it
+    except Exception as exc:  # a provider bug must still end in a recorded state
+        log.exception("lease %s: provider %s acquire raised %s", lease_id, provider.name,
+                      type(exc).__name__)
+        wrapped = TerminalProviderError(
+            f"provider {provider.name} acquire of {request.name} raised "
+            f"{type(exc).__name__}: {str(exc)[:300]} (a provider bug, or a malformed reply)")
+        wrapped.__cause__ = exc
+        _cleanup_failed(rt, lease_id, wrapped, task_id)
+        raise wrapped from exc
     now = utcnow()
     if not store.move(
         lease_id, {LeaseState.PROVISIONING}, LeaseState.ACTIVE,
@@ -359,9 +370,15 @@ def _safe(exc: ValueError) -> str:
     """A validation message without input values (they may be secrets)."""
     errors = getattr(exc, "errors", None)
     if callable(errors):
-        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'spec'}: {e['msg']}"
+        return "; ".join(_problem(".".join(map(str, e["loc"])) or "spec", e["msg"])
                          for e in errors(include_input=False))
     return str(exc)
+
+
+def _problem(where: str, what: str) -> str:
+    # Not "secret_env: ...": the worker's scrubber takes that for a dumped mapping and
+    # withholds the rest of the line (tasks/redaction.py), which would hide the reason.
+    return f"{where} is invalid: {what}" if where.endswith("secret_env") else f"{where}: {what}"
 
 
 @app.task(bind=True, base=LeaseTask, name="lease.acquire")

@@ -118,7 +118,8 @@ def _record_failure(
 @app.task(bind=True, base=LeaseTask, name="lease.destroy")
 def destroy(self: LeaseTask, lease_id: str, reason: str = "requested") -> dict[str, Any]:
     if not isinstance(reason, str):
-        raise InvalidRequest("invalid lease.destroy payload: reason must be a string")
+        raise InvalidRequest("invalid lease.destroy payload: reason must be a string; got "
+                             f"{type(reason).__name__}")
     reason = reason[:200]
     with self.retrying():
         done = destroy_lease(self.runtime, lease_id, reason, self.request.id)

@@ -119,13 +119,15 @@ def check_resumable(lease_id: str) -> AsyncResult:
 
 
 def destroy_lease(lease_id: str, reason: str = "requested") -> AsyncResult:
-    return _send(destroy, {"lease_id": _id("lease_id", lease_id),
-                                       "reason": str(reason)[:200]})
+    if not isinstance(reason, str):
+        raise InvalidRequest(f"invalid lease.destroy payload: reason must be a string; got "
+                             f"{type(reason).__name__}")
+    return _send(destroy, {"lease_id": _id("lease_id", lease_id), "reason": reason[:200]})
 
 
 def finish_run(run_id: str, status: str, exit_code: int | None = None,
                error: str | None = None) -> AsyncResult:
-    run_id, parsed = parse_finish(run_id, status, exit_code)
+    run_id, parsed = parse_finish(run_id, status, exit_code, error)
     return _send(_finish, {"run_id": run_id, "status": parsed.value,
                                        "exit_code": exit_code, "error": error})
 

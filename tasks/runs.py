@@ -21,11 +21,15 @@ from tasks.reclaim import reclaim
 from workers.app import app
 from workers.runtime import Runtime
 
+# exit_code's range: a container's exit status (Kubernetes: int32); a process's is 0-255,
+# or a signal's negative number
+EXIT_CODE_MIN, EXIT_CODE_MAX = -(2**31), 2**31 - 1
 FINISH_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.ABORTED,
                              RunStatus.INTERRUPTED})
 
 
-def parse_finish(run_id: object, status: object, exit_code: object) -> tuple[str, RunStatus]:
+def parse_finish(run_id: object, status: object, exit_code: object, error: object = None
+                 ) -> tuple[str, RunStatus]:
     try:
         check_id("run_id", run_id)
     except ValueError as exc:
@@ -35,8 +39,14 @@ def parse_finish(run_id: object, status: object, exit_code: object) -> tuple[str
             f"invalid run.finish payload: status must be one of "
             f"{', '.join(sorted(s.value for s in FINISH_STATUSES))}; got {status!r:.40}"
         )
-    if exit_code is not None and (isinstance(exit_code, bool) or not isinstance(exit_code, int)):
-        raise InvalidRequest("invalid run.finish payload: exit_code must be an integer or null")
+    if exit_code is not None and (isinstance(exit_code, bool) or not isinstance(exit_code, int)
+                                  or not EXIT_CODE_MIN <= exit_code <= EXIT_CODE_MAX):
+        raise InvalidRequest(
+            "invalid run.finish payload: exit_code must be an integer from "
+            f"{EXIT_CODE_MIN} to {EXIT_CODE_MAX} (a process's, or a container's, exit "
+            f"status) or null; got {exit_code!r:.40}")
+    if error is not None and not isinstance(error, str):
+        raise InvalidRequest("invalid run.finish payload: error must be a string or null")
     assert isinstance(run_id, str)
     return run_id, RunStatus(str(status))
 
@@ -56,15 +66,18 @@ def finish(
 @app.task(bind=True, base=LeaseTask, name="run.finish")
 def finish_run(self: LeaseTask, run_id: str, status: str, exit_code: int | None = None,
                error: str | None = None) -> dict[str, Any]:
-    run_id, parsed = parse_finish(run_id, status, exit_code)
-    if error is not None and not isinstance(error, str):
-        raise InvalidRequest("invalid run.finish payload: error must be a string or null")
+    run_id, parsed = parse_finish(run_id, status, exit_code, error)
     error = None if error is None else error[:2000]
     with self.retrying():
         change, reclaim_now = finish(self.runtime, run_id, parsed, exit_code, error)
     if reclaim_now:
         reclaim.apply_async(kwargs={"run_id": run_id})
-    return {"run_id": run_id, "status": parsed, "change": change, "reclaim_enqueued": reclaim_now}
+    status_now: str = parsed
+    if change != RunChange.CHANGED:  # finished before: say how, not what this call asked
+        run = self.runtime.store.get_run(run_id)
+        status_now = run.status if run is not None else parsed
+    return {"run_id": run_id, "status": status_now, "change": change,
+            "reclaim_enqueued": reclaim_now}
 
 
 @app.task(bind=True, base=LeaseTask, name="run.detach")

@@ -33,7 +33,7 @@ from typing import Any
 from models.pool_store import PoolStore
 from models.schema import Lease, LeaseState, RunStatus, utcnow
 from providers.base import LeaseHandle, ManagedResource, ResumeOutcome
-from providers.errors import ProviderError
+from providers.errors import ProviderError, is_transient
 from tasks.base import LeaseTask
 from tasks.leases import later
 from tasks.pool_fill import breaker_policy
@@ -51,6 +51,7 @@ class StuckOutcome(StrEnum):
     ACQUIRE_WON = "acquire_won"  # its acquire finished (or gave up) before the sweep's write
     NOT_CLAIMED = "not_claimed"  # another tick claimed it first
     CHECK_FAILED = "check_failed"  # listing or resume check failed: retried after the claim
+    FAILED = "failed"  # an unexpected error on this lease (logged): retried after the claim
 
 
 def stuck_provisioning(ctx: SweepContext) -> Tally:
@@ -79,6 +80,14 @@ def stuck_provisioning(ctx: SweepContext) -> Tally:
             _reconcile(ctx, lease, resource, tally)
         except ProviderError as exc:  # an unexpected resume-check error: the claim expires
             tally.add(StuckOutcome.CHECK_FAILED, lease.lease_id, str(exc)[:200])
+        except Exception as exc:
+            if is_transient(exc):
+                raise  # the store or the broker is away: the whole sweep is retried
+            # One lease's bug must not hold the rest of the batch back: logged, and
+            # tried again once its claim expires.
+            log.exception("%s: lease %s could not be reconciled", NAME, lease.lease_id)
+            tally.add(StuckOutcome.FAILED, lease.lease_id,
+                      f"{type(exc).__name__}: {str(exc)[:200]}")
     return tally
 
 

@@ -22,6 +22,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from providers.errors import ConfigError
+from providers.spec import MAX_DURATION_S
 from workers.pool_settings import PoolDeclaration, read_pools
 
 ENV_PREFIX = "LEASEKEEPER_"
@@ -98,8 +99,8 @@ class Settings(BaseSettings):
     pool_breaker_backoff_max_s: float = Field(default=900.0, gt=0)
 
     # Lease lifetimes.
-    lease_ttl_s: int = Field(default=3600, gt=0)
-    lease_idle_timeout_s: int = Field(default=900, gt=0)
+    lease_ttl_s: int = Field(default=3600, gt=0, le=MAX_DURATION_S)
+    lease_idle_timeout_s: int = Field(default=900, gt=0, le=MAX_DURATION_S)
     acquire_timeout_s: float = Field(default=120.0, gt=0)
     resume_timeout_s: float = Field(default=30.0, gt=0)
     run_detach_ttl_s: int = Field(default=1800, ge=0)

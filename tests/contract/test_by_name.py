@@ -334,6 +334,37 @@ MALFORMED: list[tuple[str, str, dict[str, Any] | None, list[Any] | None, tuple[s
      {"run_id": "r-1", "status": "completed", "exit_code": "0"}, None, ("exit_code",)),
     ("destroy reason object", "lease.destroy", {"lease_id": "l-1", "reason": {}}, None,
      ("reason must be a string",)),
+    # values execve() cannot take, and durations no clock can: refused before the intent
+    ("acquire NUL in an env value", "lease.acquire",
+     {"run_id": "r-1", "spec": {"env": {"A": "x\0y"}}}, None, ("env.A", "NUL")),
+    ("acquire NUL in a secret", "lease.acquire",
+     {"run_id": "r-1", "spec": {"secret_env": {"TOK": SECRETS["RAW_KEY"] + "\0"}}}, None,
+     ("secret_env.TOK", "NUL")),
+    ("acquire NUL in an argument", "lease.acquire",
+     {"run_id": "r-1", "spec": {"command": ["sleep", "1\0"]}}, None, ("command.1", "NUL")),
+    ("acquire ttl_s 10**12", "lease.acquire", {"run_id": "r-1", "spec": {"ttl_s": 10**12}},
+     None, ("ttl_s", "less than or equal to")),
+    ("acquire idle_timeout_s 10**20", "lease.acquire",
+     {"run_id": "r-1", "spec": {"idle_timeout_s": 10**20}}, None, ("idle_timeout_s",)),
+    # an error about secret_env itself stays readable through the worker's scrubbing
+    ("acquire secret_env bad name", "lease.acquire",
+     {"run_id": "r-1", "spec": {"secret_env": {"bad-name": SECRETS["RAW_KEY"]}}}, None,
+     ("secret_env is invalid", "'bad-name'")),
+    ("acquire secret_env a string", "lease.acquire",
+     {"run_id": "r-1", "spec": {"secret_env": SECRETS["RAW_KEY"]}}, None,
+     ("secret_env is invalid", "valid dictionary")),
+    ("acquire our own label", "lease.acquire",
+     {"run_id": "r-1", "spec": {"labels": {"leasekeeper.dev/lease-id": "x"}}}, None,
+     ("leasekeeper.dev/ prefix",)),
+    ("acquire unknown backend", "lease.acquire",
+     {"run_id": "r-1", "spec": {"provider": "local", "backend": "bogus"}}, None,
+     ("unknown backend 'bogus'",)),
+    ("finish exit_code 2**63", "run.finish",
+     {"run_id": "r-1", "status": "failed", "exit_code": 2**63}, None,
+     ("exit_code must be an integer from",)),
+    ("finish error object", "run.finish",
+     {"run_id": "r-1", "status": "failed", "error": {"x": 1}}, None,
+     ("error must be a string",)),
 ]
 
 
@@ -345,11 +376,16 @@ def test_a_malformed_payload_is_refused_briefly_and_creates_nothing(
 ) -> None:
     before_store, before_sandboxes = store_dump(contract.stack.store_url), sandboxes(contract)
     size_before = contract.stack.logfile.stat().st_size
-    refused(contract.client.send(name, kwargs, args=args), *mentions)
+    message = refused(contract.client.send(name, kwargs, args=args), *mentions)
     assert store_dump(contract.stack.store_url) == before_store
     assert sandboxes(contract) == before_sandboxes
-    # The worker's log grows by a few lines, not by the payload.
-    assert contract.stack.logfile.stat().st_size - size_before < 20_000
+    # The worker's log grows by a few lines, not by the payload, and no secret sent shows.
+    with contract.stack.logfile.open("rb") as log:
+        log.seek(size_before)
+        grown = log.read()
+    assert len(grown) < 20_000
+    for core in CORES.values():
+        assert core not in message and core.encode() not in grown
 
 
 def test_the_worker_says_which_broker_it_uses(contract: Contract) -> None:

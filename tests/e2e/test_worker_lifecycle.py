@@ -91,6 +91,21 @@ def test_producer_validates_before_enqueueing() -> None:
         producer.finish_run("run-x", "done")
     with pytest.raises(InvalidRequest, match="lease_id must be"):
         producer.destroy_lease("../etc")
+    with pytest.raises(InvalidRequest, match="reason must be a string; got NoneType"):
+        producer.destroy_lease("lease-1", reason=None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="error must be a string or null"):
+        producer.finish_run("run-x", "failed", error={"x": 1})  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="exit_code must be an integer from"):
+        producer.finish_run("run-x", "failed", exit_code=2**63)
+
+
+def test_a_repeated_finish_says_how_the_run_did_finish(stack: WorkerStack) -> None:
+    run_id = rid()
+    producer.acquire_lease(run_id, {"provider": "noop"}).get(30)
+    first = producer.finish_run(run_id, "completed", 0).get(30)
+    assert (first["status"], first["change"]) == ("completed", "changed")
+    again = producer.finish_run(run_id, "failed", 1).get(30)
+    assert (again["status"], again["change"]) == ("completed", "unchanged")
 
 
 def test_worker_killed_mid_acquire_leaves_one_sandbox_and_no_stuck_lease(

@@ -20,6 +20,7 @@ from providers.faulty import FaultPlan
 from providers.spec import SandboxSpec
 from tasks.acquire import AcquireResult, acquire_lease, parse_acquire
 from tasks.leases import handle
+from tasks.redaction import scrub_text
 from tests.e2e.conftest import until_gone
 from workers.runtime import Runtime
 
@@ -78,6 +79,22 @@ def test_terminal_failure_after_create_destroys_what_exists(
     assert lease.state == LeaseState.DESTROYED and lease.end_reason == "acquire_failed"
     assert rt.provider("faulty").list_managed() == []
     assert rt.store.get_run("run-1").status == RunStatus.FAILED
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_provider_bug_in_acquire_cleans_up_and_fails_the_run(
+    rt: Runtime, faults: FaultPlan, when: str
+) -> None:
+    # Not a ProviderError (a bug, or a malformed reply): the lease must not stay
+    # provisioning with whatever was made still running until the stuck sweep.
+    faults.write({"acquire": [{"fault": "value_error", "when": when, "times": 1}]})
+    with pytest.raises(TerminalProviderError, match=r"raised ValueError: .*a provider bug"):
+        acquire_lease(rt, "run-1", SandboxSpec(provider="faulty"), None, may_retry=True)
+    (lease,) = rt.store.leases()
+    assert lease.state == LeaseState.DESTROYED and lease.end_reason == "acquire_failed"
+    assert rt.provider("faulty").list_managed() == []
+    run = rt.store.get_run("run-1")
+    assert run.status == RunStatus.FAILED and "ValueError" in (run.error or "")
 
 
 def test_transient_failure_out_of_retries_cleans_up(rt: Runtime, faults: FaultPlan) -> None:
@@ -159,9 +176,35 @@ def test_unknown_provider_is_refused_before_anything_is_written(rt: Runtime) -> 
     ("r", {"env": {"1BAD": "x"}}, "invalid environment variable names"),
     ("r", {"surprise": 1}, "surprise: Extra inputs are not permitted"),
     ("r", {"secret_env": {"TOKEN": 12345}}, "secret_env.TOKEN"),
+    ("r", {"env": {"A": "x\0y"}}, r"env.A: .*NUL"),
+    ("r", {"secret_env": {"TOKEN": "123\x0045"}}, r"secret_env.TOKEN: .*NUL"),
+    ("r", {"secret_env": {"TOKEN": "12345" * 7000}}, r"secret value may be at most 32768 char"),
+    ("r", {"command": ["sleep", "1\0"]}, r"command.1: .*NUL"),
+    ("r", {"image": "busybox\0"}, r"image: .*NUL"),
+    ("r", {"ttl_s": 10**12}, r"ttl_s: .*less than or equal to 31622400"),
+    ("r", {"idle_timeout_s": 10**20}, r"idle_timeout_s: .*less than or equal to"),
+    ("r", {"secret_env": {"bad-name": "12345"}}, r"secret_env is invalid: .*'bad-name'"),
+    ("r", {"secret_env": "12345"}, r"secret_env is invalid: .*valid dictionary"),
+    ("r", {"labels": {"leasekeeper.dev/lease-id": "x"}}, r"leasekeeper.dev/ prefix is"),
+    ("r", {"labels": {"Example.com/team": "x"}}, r"not a valid Kubernetes label"),
 ])
 def test_malformed_payloads_are_clear_and_leak_nothing(run_id: str, spec: dict[str, object],
                                                        message: str) -> None:
     with pytest.raises(InvalidRequest, match=message) as err:
         parse_acquire(run_id, spec)
     assert "12345" not in str(err.value)
+    # and the worker's scrubbing of every error (for secrets) leaves the reason readable
+    assert scrub_text(str(err.value)) == str(err.value)
+
+
+def test_kubernetes_label_keys_with_a_prefix_are_accepted() -> None:
+    spec = SandboxSpec(labels={"example.com/team": "a", "app.kubernetes.io/Part_of": "b"})
+    assert spec.labels["example.com/team"] == "a"
+
+
+def test_an_unknown_backend_of_the_local_and_noop_providers_is_refused(rt: Runtime) -> None:
+    for provider in ("local", "noop"):
+        with pytest.raises(TerminalProviderError, match=r"unknown backend 'bogus'"):
+            rt.provider(provider).check_spec(SandboxSpec(backend="bogus"))
+    rt.provider("local").check_spec(SandboxSpec(backend="process"))
+    rt.provider("noop").check_spec(SandboxSpec(backend="none"))

@@ -18,6 +18,7 @@ from providers.base import AcquireRequest, ManagedResource
 from providers.faulty import FaultPlan
 from providers.local import LocalProvider, ProcessIdentity, _alive
 from providers.spec import SandboxSpec
+from tasks import stuck
 from tasks.stuck import StuckOutcome, stuck_provisioning
 from tasks.sweeping import SweepContext
 from tests.sweeps.conftest import Recorder, concurrently, events_to, set_lease
@@ -54,6 +55,30 @@ def test_healthy_resource_of_ours_is_adopted(rt: Runtime, effects: Recorder) -> 
     assert lease.idle_deadline_at > utcnow() and lease.ready_at is not None
     assert events_to(rt, lease_id, LeaseState.ACTIVE, "adopted by sweep.stuck_provisioning") == 1
     assert rt.store.get_run("run-1").status == RunStatus.RUNNING
+
+
+def test_one_lease_that_cannot_be_reconciled_does_not_hold_the_batch_back(
+    rt: Runtime, effects: Recorder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An idle timeout no clock can add (10**12 s, stored on SQLite before specs were
+    # bounded) made the adoption raise OverflowError, and the sweep stopped there, every
+    # tick. Any such bug on one lease: here the same error, raised for that lease only.
+    broken = half_acquired(rt, "run-broken")
+    fine = half_acquired(rt, "run-fine")
+    real_later = stuck.later
+
+    def later(seconds: float) -> object:
+        if seconds == 10**6:
+            raise OverflowError("date value out of range")
+        return real_later(seconds)
+
+    set_lease(rt, broken, idle_timeout_s=10**6)
+    monkeypatch.setattr(stuck, "later", later)
+    tally = stuck_provisioning(SweepContext(rt, effects))
+    assert tally[StuckOutcome.FAILED] == 1 and tally[StuckOutcome.ADOPTED] == 1, tally.items
+    assert any(item.startswith(f"failed {broken} (OverflowError") for item in tally.items)
+    assert rt.store.get_lease(fine).state == LeaseState.ACTIVE
+    assert rt.store.get_lease(broken).state == LeaseState.PROVISIONING  # tried again later
 
 
 def test_nothing_created_is_destroyed_through_cleanup_and_its_run_failed(
