@@ -150,7 +150,7 @@ def make_engine(url: str, statement_timeout_s: float = 60.0) -> Engine:
     # policy) and SQLAlchemy invalidates the whole pool, so only that one attempt is lost.
     timeout_ms = max(round(statement_timeout_s * 1000), 1)
     engine = create_engine(url, pool_size=5, max_overflow=5, pool_recycle=1800,
-                           connect_args=_pg_connect_args(url, timeout_ms))
+                           connect_args=pg_connect_args(url, timeout_ms))
 
     @event.listens_for(engine, "connect")
     def _statement_timeout(dbapi_conn: Any, _record: Any) -> None:
@@ -172,7 +172,7 @@ def make_engine(url: str, statement_timeout_s: float = 60.0) -> Engine:
     return engine
 
 
-def _pg_connect_args(url: str, statement_timeout_ms: int) -> dict[str, Any]:
+def pg_connect_args(url: str, statement_timeout_ms: int) -> dict[str, Any]:
     """libpq's connection options (those the URL sets itself win): give up a connect
     after 5 s; keepalive probes on a quiet connection after 10 s, every 5 s; and the
     kernel drops a connection whose data or probes go unacknowledged for the statement

@@ -62,6 +62,14 @@ def run_cli(app: Callable[[], Any]) -> None:
     except LeasekeeperError as exc:
         log.error("%s", exc)
         sys.exit(exit_code_for(exc))
+    except Exception as exc:
+        # A case no check foresaw: one line still, the traceback on request.
+        if os.environ.get("LEASEKEEPER_TRACEBACK"):
+            raise
+        log.error("unexpected %s: %s. This is a leasekeeper bug: please report it, with "
+                  "the traceback LEASEKEEPER_TRACEBACK=1 shows", type(exc).__name__,
+                  str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "")
+        sys.exit(ExitCode.NEEDS_ATTENTION)
 
 
 _store_checked: set[str] = set()
@@ -146,15 +154,37 @@ def _next(unit: str) -> str:
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+MAX_DURATION_D = 36500  # 100 years: older than any lease, and still a date
 
 
 def parse_duration(text: str, option: str) -> timedelta:
-    """'90s', '15m', '2h', '1d' (a bare number is seconds)."""
+    """'90s', '15m', '2h', '1d' (a bare number is seconds), at most MAX_DURATION_D days."""
     match = _DURATION.match(text)
     if match is None:
         raise typer.BadParameter(f"{text!r} is not a duration; use e.g. 90s, 15m, 2h or 1d",
                                  param_hint=option)
-    return timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    seconds = float(match.group(1)) * _UNITS[match.group(2)]
+    if seconds > MAX_DURATION_D * 86400:
+        raise typer.BadParameter(f"{text.strip()[:40]!r} is more than 100 years; give at most "
+                                 f"{MAX_DURATION_D}d", param_hint=option)
+    return timedelta(seconds=seconds)
+
+
+def not_empty(value: Any) -> Any:
+    """An option's callback: a filter given an empty value is refused, never dropped (which
+    would match everything: `destroy --tenant ''` would pick every tenant's leases)."""
+    values = value if isinstance(value, list) else [value]
+    if any(v is not None and not v.strip() for v in values):
+        raise typer.BadParameter("must not be empty; leave the option out to match every value")
+    return value
+
+
+def error_line(message: str) -> None:
+    """One line on stderr as run_cli prints errors (`leasekeeper: ...`, JSON with
+    LEASEKEEPER_LOG_FORMAT=json); the caller chooses the exit code."""
+    import logging
+
+    logging.getLogger("leasekeeper.cli").error("%s", message)
 
 
 def check_option_id(option: str, value: str) -> str:

@@ -43,7 +43,8 @@ def say(line: str) -> None:
 
 
 def up(
-    demo: Annotated[int, typer.Option(help="Drive N demo runs through the producer API")] = 0,
+    demo: Annotated[int, typer.Option(min=0, max=100,
+                                      help="Drive N demo runs through the producer API")] = 0,
     exit_after_demo: Annotated[bool, typer.Option(help="Stop once the demo is checked")] = False,
 ) -> None:
     """Bring up Redis (unless LEASEKEEPER_BROKER_URL is set), a worker, beat and Flower."""

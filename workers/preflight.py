@@ -11,7 +11,9 @@ SQLite file), and the message names `leasekeeper db upgrade`.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
+from typing import Any
 
 import redis
 from sqlalchemy import create_engine, make_url
@@ -53,7 +55,7 @@ def check_driver(url: str) -> None:
     """The database driver the URL names is importable, or say which package to install."""
     try:
         make_url(url).get_dialect().import_dbapi()
-    except ArgumentError as exc:
+    except (ArgumentError, ValueError) as exc:
         raise ConfigError(f"LEASEKEEPER_STORE_URL is not a database URL ({exc})") from None
     except ModuleNotFoundError as exc:
         package = {"psycopg": "'leasekeeper[postgres]' (psycopg)",
@@ -67,6 +69,8 @@ def check_driver(url: str) -> None:
 
 def migrate(url: str, revision: str = "head") -> None:
     """`leasekeeper db upgrade` (and `up`): the driver checked first, failures in one line."""
+    from alembic.util.exc import CommandError
+
     from models.migrate import upgrade
 
     check_driver(url)
@@ -77,6 +81,30 @@ def migrate(url: str, revision: str = "head") -> None:
         raise StoreUnavailable(
             f"cannot migrate the store {shown(url)} (LEASEKEEPER_STORE_URL): "
             f"{type(orig).__name__}: {str(orig).strip().splitlines()[0][:200]}") from None
+    except OSError as exc:  # the SQLite store's folder cannot be made
+        raise ConfigError(
+            f"cannot create the store's folder for {shown(url)}: {exc.strerror or exc}"
+            f"{f' ({exc.filename})' if exc.filename else ''}; point LEASEKEEPER_STORE_URL "
+            "(or LEASEKEEPER_VAR_DIR) at a directory this user can write") from None
+    except CommandError as exc:
+        newer = unknown_revisions(url)
+        if newer:
+            raise ConfigError(_newer_store(url, newer)) from None
+        raise ConfigError(
+            f"cannot migrate the store {shown(url)} to {revision!r}: {exc}; leave "
+            "--revision out to upgrade to the latest migration") from None
+
+
+def unknown_revisions(url: str, current: set[str] | None = None) -> list[str]:
+    """The store's migrations that this leasekeeper does not have (a newer one ran)."""
+    return sorted((_current_revisions(url) if current is None else current) - _known(url))
+
+
+def _newer_store(url: str, revisions: list[str]) -> str:
+    return (f"the store {shown(url)} is at migration {', '.join(revisions)}, which this "
+            f"leasekeeper does not have (its latest is {', '.join(sorted(_heads(url)))}): a "
+            "newer leasekeeper migrated it. Run that newer version against this store; "
+            "never downgrade a store by hand")
 
 
 def check_store(url: str) -> None:
@@ -84,6 +112,11 @@ def check_store(url: str) -> None:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
         path = Path(str(parsed.database))
+        if path.parent.exists() and not path.parent.is_dir():
+            raise ConfigError(
+                f"the store's folder {path.parent} is not a folder (LEASEKEEPER_STORE_URL="
+                f"{shown(url)}): point LEASEKEEPER_STORE_URL (or LEASEKEEPER_VAR_DIR) at a "
+                "directory")
         if not path.parent.is_dir():
             raise ConfigError(
                 f"the store's folder {path.parent} does not exist (LEASEKEEPER_STORE_URL="
@@ -92,23 +125,46 @@ def check_store(url: str) -> None:
             )
         if not path.is_file():
             raise ConfigError(f"there is no store at {path} (never migrated): {UPGRADE}")
-    missing = missing_migrations(url)
-    if missing is not None:
-        raise ConfigError(f"the store {shown(url)} {missing}: {UPGRADE}")
+    current = _current_revisions(url)
+    newer = unknown_revisions(url, current)
+    if newer:
+        raise ConfigError(_newer_store(url, newer))
+    heads = _heads(url)
+    if not current:
+        raise ConfigError(f"the store {shown(url)} has no schema (it was never migrated): "
+                          f"{UPGRADE}")
+    if current != heads:
+        raise ConfigError(f"the store {shown(url)} is at migration "
+                          f"{', '.join(sorted(current))}, this leasekeeper needs "
+                          f"{', '.join(sorted(heads))}: {UPGRADE}")
 
 
-def missing_migrations(url: str) -> str | None:
-    """None when the store is at the latest schema; else what is wrong with it."""
-    from alembic.runtime.migration import MigrationContext
+@functools.cache
+def _script() -> Any:
+    """This leasekeeper's migrations (read once: the folder does not change)."""
     from alembic.script import ScriptDirectory
 
-    from models.migrate import alembic_config
+    from models.migrate import MIGRATIONS
 
-    heads = set(ScriptDirectory.from_config(alembic_config(url)).get_heads())
+    return ScriptDirectory(str(MIGRATIONS))
+
+
+def _heads(url: str) -> set[str]:
+    return set(_script().get_heads())
+
+
+def _known(url: str) -> set[str]:
+    return {script.revision for script in _script().walk_revisions()}
+
+
+def _current_revisions(url: str) -> set[str]:
+    """The migrations the store records (empty: never migrated)."""
+    from alembic.runtime.migration import MigrationContext
+
     engine = create_engine(url, poolclass=NullPool, connect_args=_connect_args(url))
     try:
         with engine.connect() as conn:
-            current = set(MigrationContext.configure(conn).get_current_heads())
+            return set(MigrationContext.configure(conn).get_current_heads())
     except SQLAlchemyError as exc:
         orig = getattr(exc, "orig", None) or exc
         raise StoreUnavailable(
@@ -117,13 +173,25 @@ def missing_migrations(url: str) -> str | None:
         ) from None
     finally:
         engine.dispose()
-    if not current:
-        return "has no schema (it was never migrated)"
-    if current != heads:
-        return (f"is at migration {', '.join(sorted(current))}, this leasekeeper needs "
-                f"{', '.join(sorted(heads))}")
-    return None
 
 
 def _connect_args(url: str) -> dict[str, object]:
     return {"connect_timeout": 5} if url.startswith("postgresql") else {}
+
+
+def cannot_listen(what: str, setting: str, host: str, port: int, exc: OSError) -> ConfigError:
+    """Why a server (``what``) cannot listen on host:port, naming the setting to change
+    (``setting``: the prefix of its _HOST and _PORT variables)."""
+    import errno
+    import socket
+
+    where = f"{host}:{port}"
+    if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+        fix = f"{setting}_HOST={host!r} is not an address of this machine; set it to one"
+    elif exc.errno == errno.EADDRINUSE:
+        fix = f"port {port} is in use; set {setting}_PORT to a free port"
+    elif exc.errno == errno.EACCES:
+        fix = f"ports below 1024 need privileges; set {setting}_PORT to a higher one"
+    else:
+        fix = f"check {setting}_HOST and {setting}_PORT"
+    return ConfigError(f"cannot serve {what} on {where} ({exc.strerror or exc}): {fix}")

@@ -30,6 +30,16 @@ DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?$")
 # Store URL schemes leasekeeper runs on (SQLAlchemy dialect names).
 STORE_SCHEMES = ("sqlite", "postgresql")
+BROKER_SCHEMES = ("redis", "rediss", "unix")
+# what runtime.PROVIDER_FACTORIES builds (tests check that the two agree)
+PROVIDER_NAMES = ("local", "kubernetes", "noop", "faulty")
+
+
+def redis_port(url: str) -> int | None:
+    """The port of a Redis URL (ValueError if it is not a number)."""
+    from urllib.parse import urlsplit
+
+    return urlsplit(url).port
 log = logging.getLogger("leasekeeper.settings")
 
 
@@ -175,6 +185,17 @@ class Settings(BaseSettings):
             return [p.strip() for p in value.split(",") if p.strip()]
         return value
 
+    @field_validator("providers")
+    @classmethod
+    def _known_providers(cls, value: list[str]) -> list[str]:
+        unknown = [p for p in value if p not in PROVIDER_NAMES]
+        if unknown or not value:
+            raise ValueError(
+                (f"unknown provider(s) {', '.join(map(repr, unknown))}" if unknown else
+                 "no provider given") + f"; leasekeeper has {', '.join(PROVIDER_NAMES)} "
+                "(a comma-separated list, e.g. local,kubernetes)")
+        return value
+
     @field_validator("store_url")
     @classmethod
     def _supported_store(cls, value: str | None) -> str | None:
@@ -187,6 +208,30 @@ class Settings(BaseSettings):
                 "sqlite:////path/to/leasekeeper.db or "
                 "postgresql+psycopg://user:password@host:5432/db"
             )
+        from sqlalchemy import make_url
+        from sqlalchemy.exc import ArgumentError
+
+        try:
+            make_url(value).port  # noqa: B018  (parsed lazily: a bad port fails here)
+        except (ArgumentError, ValueError) as exc:
+            raise ValueError(f"not a database URL: {str(exc)[:120]} (the form is "
+                             "postgresql+psycopg://user:password@host:5432/db)") from None
+        return value
+
+    @field_validator("broker_url")
+    @classmethod
+    def _redis_broker(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        scheme = value.split("://", 1)[0].lower() if "://" in value else ""
+        if scheme not in BROKER_SCHEMES:
+            raise ValueError(
+                f"{scheme or value[:12]!r} is not a Redis URL; the broker is Redis: "
+                "redis://[:password@]host:6379/0, rediss:// (TLS) or unix:///path/redis.sock")
+        try:
+            redis_port(value)
+        except ValueError as exc:
+            raise ValueError(f"not a Redis URL: {str(exc)[:120]}") from None
         return value
 
     @field_validator("installation_id")
@@ -288,7 +333,7 @@ def load_settings(read_env_file: bool = True) -> Settings:
 # LEASEKEEPER_* names that are not settings but are read elsewhere: a sandbox's own
 # environment, docker compose, the test and build harnesses.
 NOT_SETTINGS = frozenset({"BOOTSTRAP_TOKEN", "LEASE_ID", "WORKSPACE", "POSTGRES_PASSWORD",
-                          "KUBE_BIN_DIR", "KUBE_SRC_VERSION", "CACHE_DIR"})
+                          "KUBE_BIN_DIR", "KUBE_SRC_VERSION", "CACHE_DIR", "TRACEBACK"})
 NOT_SETTINGS_PREFIXES = ("TEST_", "CHAOS_")
 
 

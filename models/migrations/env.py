@@ -6,15 +6,25 @@ from alembic import context
 from sqlalchemy import engine_from_config, pool
 
 from models.schema import Base
+from models.store import pg_connect_args
+
+# TCP_USER_TIMEOUT of a migration's connection: data unacknowledged this long means the
+# server's host is gone (a long statement on a live server is never cut by it)
+MIGRATION_USER_TIMEOUT_MS = 60_000
 
 config = context.config
 
 
 def run_migrations_online() -> None:
+    url = config.get_main_option("sqlalchemy.url") or ""
+    # The store's connection options (connect timeout, keepalives): a server that
+    # accepts the connection and never answers fails the upgrade in seconds, not minutes.
+    # No statement timeout: a migration may take long on a big store.
     connectable = engine_from_config(
         config.get_section(config.config_ini_section, {}),
         prefix="sqlalchemy.",
         poolclass=pool.NullPool,
+        connect_args=pg_connect_args(url, MIGRATION_USER_TIMEOUT_MS),
     )
     with connectable.connect() as connection:
         context.configure(

@@ -4,6 +4,7 @@ LEASEKEEPER_FLOWER_BASIC_AUTH."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Callable
 
 import uvicorn
@@ -12,6 +13,7 @@ from models.store import Store
 from providers.errors import ConfigError
 from workers.console.app import build_app
 from workers.console.auth import parse_basic_auth
+from workers.preflight import cannot_listen
 from workers.settings import Settings
 
 
@@ -22,10 +24,24 @@ def serve(settings: Settings, on_ready: Callable[[str], None] = print) -> None:
     user, password = parse_basic_auth(settings.flower_basic_auth.get_secret_value())
     store = Store(settings.effective_store_url, settings.store_statement_timeout_s)
     app = build_app(settings, store, user, password)
+    try:
+        # bound here, so a port in use is one line naming the setting (uvicorn would log
+        # it and exit 3, the code for an unreachable service)
+        sock = _listen(settings.console_host, settings.console_port)
+    except OSError as exc:
+        store.dispose()
+        raise cannot_listen("the console", "LEASEKEEPER_CONSOLE", settings.console_host,
+                            settings.console_port, exc) from None
     on_ready(f"console: http://{settings.console_host}:{settings.console_port}/ "
              f"(basic auth user {user!r}, password from LEASEKEEPER_FLOWER_BASIC_AUTH)")
     try:
-        uvicorn.run(app, host=settings.console_host, port=settings.console_port,
-                    log_level="warning", access_log=False)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        server.run(sockets=[sock])
     finally:
+        sock.close()
         store.dispose()
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    return socket.create_server((host, port), family=family, reuse_port=False)

@@ -14,8 +14,8 @@ from redis import RedisError
 
 from models.observe import Observe
 from models.store import Store
-from providers.errors import ConfigError
 from workers.metrics.collector import LeaseCollector
+from workers.preflight import cannot_listen
 from workers.settings import Settings
 
 
@@ -45,9 +45,8 @@ def serve(settings: Settings, on_ready: Callable[[str], None] = print) -> None:
         server, thread = start_http_server(settings.metrics_port, settings.metrics_host,
                                            registry=registry)
     except OSError as exc:
-        raise ConfigError(
-            f"cannot serve metrics on {settings.metrics_host}:{settings.metrics_port} ({exc}); "
-            "set LEASEKEEPER_METRICS_PORT to a free port") from None
+        raise cannot_listen("metrics", "LEASEKEEPER_METRICS", settings.metrics_host,
+                            settings.metrics_port, exc) from None
     host, port = server.server_address[:2]
     on_ready(f"metrics: http://{host!s}:{port}/metrics")
     stop = threading.Event()

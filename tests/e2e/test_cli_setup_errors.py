@@ -1,0 +1,149 @@
+"""Setting-up mistakes an operator made, each run as a real `leasekeeper` process: one
+line naming what is wrong and the fix, the documented exit code, never a traceback.
+
+(Each case was first seen as a traceback, a wrong fix, a hang or a wrong exit code.)
+"""
+
+from __future__ import annotations
+
+import socket
+import sqlite3
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import cli_env, leasekeeper
+from tests.e2e.test_cli_errors import short_error
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def migrated(tmp_path: Path) -> dict[str, str]:
+    env = cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path))
+    done = leasekeeper("db", "upgrade", env=env)
+    assert done.returncode == 0, done.stderr
+    return env
+
+
+def test_db_upgrade_to_a_revision_that_does_not_exist(tmp_path: Path) -> None:
+    done = leasekeeper("db", "upgrade", "--revision", "bogus",
+                       env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    assert done.returncode == 2
+    short_error(done, "'bogus'", "leave --revision out")
+
+
+def test_a_store_a_newer_leasekeeper_migrated_says_so(tmp_path: Path) -> None:
+    # Before: "is at migration 0099_future, this leasekeeper needs ...: run leasekeeper db
+    # upgrade", and that upgrade was a traceback.
+    env = migrated(tmp_path)
+    with sqlite3.connect(tmp_path / "leasekeeper.db") as db:
+        db.execute("UPDATE alembic_version SET version_num = '0099_future'")
+    for command in (["leases", "list"], ["db", "upgrade"]):
+        done = leasekeeper(*command, env=env)
+        assert done.returncode == 2, command
+        err = short_error(done, "0099_future", "newer leasekeeper migrated it")
+        assert "run `leasekeeper db upgrade`" not in err
+
+
+@pytest.mark.parametrize("var_dir", ["a-file", "a-file/below"])
+def test_a_var_dir_that_cannot_be_a_folder(tmp_path: Path, var_dir: str) -> None:
+    (tmp_path / "a-file").write_text("not a folder")
+    env = cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path / var_dir))
+    done = leasekeeper("db", "upgrade", env=env)
+    assert done.returncode == 2
+    short_error(done, "cannot create the store's folder", "LEASEKEEPER_VAR_DIR")
+    listed = leasekeeper("leases", "list", env=env)
+    assert listed.returncode == 2
+    short_error(listed, "LEASEKEEPER_VAR_DIR")
+    if var_dir == "a-file":
+        assert "is not a folder" in listed.stderr
+
+
+@pytest.mark.parametrize("url", ["garbage", "http://u:secret-pw@127.0.0.1:6379/0",
+                                 "redis://127.0.0.1:notaport/0"])
+def test_a_broker_url_that_is_not_redis(tmp_path: Path, url: str) -> None:
+    for command in (["status"], ["health"], ["leases", "list"]):
+        done = leasekeeper(*command, env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path),
+                                                 LEASEKEEPER_BROKER_URL=url))
+        assert done.returncode == 2, (command, done.stderr)
+        err = short_error(done, "LEASEKEEPER_BROKER_URL", "Redis URL")
+        assert "secret-pw" not in err
+
+
+def test_a_store_url_with_a_port_that_is_no_number(tmp_path: Path) -> None:
+    for command in (["leases", "list"], ["db", "upgrade"], ["health", "--store"]):
+        done = leasekeeper(*command, env=cli_env(
+            LEASEKEEPER_VAR_DIR=str(tmp_path),
+            LEASEKEEPER_STORE_URL="postgresql+psycopg://u:secret-pw@127.0.0.1:notaport/lk"))
+        assert done.returncode == 2, (command, done.stderr)
+        err = short_error(done, "LEASEKEEPER_STORE_URL", "not a database URL")
+        assert "secret-pw" not in err
+
+
+def test_an_unknown_provider_in_the_list_is_refused(tmp_path: Path) -> None:
+    done = leasekeeper("leases", "list", env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path),
+                                                     LEASEKEEPER_PROVIDERS="local,nope"))
+    assert done.returncode == 2
+    short_error(done, "LEASEKEEPER_PROVIDERS", "'nope'", "local, kubernetes")
+
+
+@pytest.fixture
+def silent_server() -> Iterator[int]:
+    """A port that accepts connections and never answers (a frozen server's)."""
+    server = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    stop = threading.Event()
+
+    def accept() -> None:
+        server.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept()[0])
+            except TimeoutError:
+                continue
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+    yield int(server.getsockname()[1])
+    stop.set()
+    thread.join(5)
+    for conn in accepted:
+        conn.close()
+    server.close()
+
+
+@pytest.mark.timeout(60)
+def test_db_upgrade_against_a_server_that_never_answers_gives_up(
+        tmp_path: Path, silent_server: int) -> None:
+    # Before: 131 s, then a traceback. The connect timeout is 5 s.
+    done = leasekeeper("db", "upgrade", env=cli_env(
+        LEASEKEEPER_VAR_DIR=str(tmp_path),
+        LEASEKEEPER_STORE_URL=f"postgresql+psycopg://lk:secret-pw@127.0.0.1:{silent_server}/lk"),
+        timeout_s=50)
+    assert done.returncode == 3
+    err = short_error(done, "cannot migrate the store", f"127.0.0.1:{silent_server}")
+    assert "secret-pw" not in err
+
+
+def test_a_console_or_metrics_port_in_use_names_the_setting(tmp_path: Path) -> None:
+    env = migrated(tmp_path)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = str(taken.getsockname()[1])
+        console = leasekeeper("console", env={
+            **env, "LEASEKEEPER_CONSOLE_PORT": port, "LEASEKEEPER_FLOWER_BASIC_AUTH": "u:p"})
+        metrics = leasekeeper("metrics", env={**env, "LEASEKEEPER_METRICS_PORT": port})
+    for done, setting in ((console, "LEASEKEEPER_CONSOLE_PORT"),
+                          (metrics, "LEASEKEEPER_METRICS_PORT")):
+        assert done.returncode == 2, done.stderr
+        short_error(done, f"port {port} is in use", setting)
+    bad_host = leasekeeper("metrics", env={**env, "LEASEKEEPER_METRICS_HOST": "999.1.1.1"})
+    assert bad_host.returncode == 2
+    short_error(bad_host, "LEASEKEEPER_METRICS_HOST='999.1.1.1' is not an address")
+
+
+def test_up_refuses_a_negative_demo(tmp_path: Path) -> None:
+    done = leasekeeper("up", "--demo", "-3", env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    assert done.returncode == 2
+    assert "--demo" in done.stderr and "Traceback" not in done.stderr
