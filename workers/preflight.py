@@ -77,10 +77,7 @@ def migrate(url: str, revision: str = "head") -> None:
     try:
         upgrade(url, revision)
     except SQLAlchemyError as exc:
-        orig = getattr(exc, "orig", None) or exc
-        raise StoreUnavailable(
-            f"cannot migrate the store {shown(url)} (LEASEKEEPER_STORE_URL): "
-            f"{type(orig).__name__}: {str(orig).strip().splitlines()[0][:200]}") from None
+        raise store_error(url, exc, "cannot migrate") from None
     except OSError as exc:  # the SQLite store's folder cannot be made
         raise ConfigError(
             f"cannot create the store's folder for {shown(url)}: {exc.strerror or exc}"
@@ -166,11 +163,7 @@ def _current_revisions(url: str) -> set[str]:
         with engine.connect() as conn:
             return set(MigrationContext.configure(conn).get_current_heads())
     except SQLAlchemyError as exc:
-        orig = getattr(exc, "orig", None) or exc
-        raise StoreUnavailable(
-            f"cannot reach the store {shown(url)} (LEASEKEEPER_STORE_URL): "
-            f"{type(orig).__name__}: {str(orig).strip().splitlines()[0][:200]}"
-        ) from None
+        raise store_error(url, exc, "cannot reach") from None
     finally:
         engine.dispose()
 
@@ -195,3 +188,28 @@ def cannot_listen(what: str, setting: str, host: str, port: int, exc: OSError) -
     else:
         fix = f"check {setting}_HOST and {setting}_PORT"
     return ConfigError(f"cannot serve {what} on {where} ({exc.strerror or exc}): {fix}")
+
+
+# What PostgreSQL says when the server is there but the URL's database, user or password
+# is wrong: a setting to fix (exit 2), not a service to wait for.
+_WRONG_SETTING = (("does not exist", "create it, or fix the URL"),
+                  ("password authentication failed", "fix the user or password in the URL"),
+                  ("no password supplied", "put the password in the URL"),
+                  ("no pg_hba.conf entry", "allow this host in the server's pg_hba.conf"))
+
+
+def store_error(url: str, exc: SQLAlchemyError, doing: str) -> ConfigError | StoreUnavailable:
+    """A store error at the command line, in one line: a wrong database, user or password
+    is a setting (ConfigError); anything else, the store is unavailable."""
+    orig = getattr(exc, "orig", None) or exc
+    text = str(orig).strip()
+    fatal = next((line.split("FATAL:", 1)[1].strip() for line in text.splitlines()
+                  if "FATAL:" in line), None)
+    if fatal is not None:
+        for needle, fix in _WRONG_SETTING:
+            if needle in fatal:
+                return ConfigError(f"{doing} the store {shown(url)}: the server says "
+                                   f"{fatal[:200]!r}: {fix} (LEASEKEEPER_STORE_URL)")
+    first = text.splitlines()[0][:200] if text else ""
+    return StoreUnavailable(f"{doing} the store {shown(url)} (LEASEKEEPER_STORE_URL): "
+                            f"{type(orig).__name__}: {first}")

@@ -16,6 +16,7 @@ import pytest
 
 from tests.e2e.conftest import cli_env, leasekeeper
 from tests.e2e.test_cli_errors import short_error
+from tests.services import PostgresServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -147,3 +148,20 @@ def test_up_refuses_a_negative_demo(tmp_path: Path) -> None:
     done = leasekeeper("up", "--demo", "-3", env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path)))
     assert done.returncode == 2
     assert "--demo" in done.stderr and "Traceback" not in done.stderr
+
+
+@pytest.mark.postgres
+def test_a_wrong_database_or_user_on_a_live_server_is_a_setting_to_fix(
+        tmp_path: Path, postgres_server: PostgresServer) -> None:
+    # Before: "cannot reach the store" (exit 3, the code for a service that is down).
+    url = postgres_server.create_database("cli_setup")
+    scheme, rest = url.split("://", 1)
+    host = rest.split("@", 1)[-1]
+    for wrong, says in ((f"{url.rsplit('/', 1)[0]}/no_such_db", 'database "no_such_db"'),
+                        (f"{scheme}://nobody:secret-pw@{host}", 'role "nobody"')):
+        for command in (["leases", "list"], ["db", "upgrade"]):
+            done = leasekeeper(*command, env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path),
+                                                     LEASEKEEPER_STORE_URL=wrong))
+            assert done.returncode == 2, (command, done.stderr)
+            err = short_error(done, says, "does not exist", "fix the URL")
+            assert "secret-pw" not in err
