@@ -2,7 +2,8 @@
 
     leasekeeper:<queue>:beat                 beat's last scheduler tick (epoch seconds);
                                              written by HeartbeatScheduler (workers/beat.py)
-    leasekeeper:<queue>:beat:started         when that beat process started
+    leasekeeper:<queue>:beat:started         when that beat process started (or, if
+                                             Redis lost it, its first tick after that)
     leasekeeper:<queue>:sweep:<name>:last    a sweep's last tick that ran: when, took_ms and
                                              its outcome counts (JSON; written by run_sweep)
 
@@ -32,10 +33,14 @@ def sweep_key(queue: str, sweep: str) -> str:
 
 def mark_beat(client: redis.Redis[bytes], queue: str, ttl_s: float,
               started: float | None = None) -> None:
+    now = time.time()
     with contextlib.suppress(redis.RedisError):
-        client.set(beat_key(queue), repr(time.time()), ex=max(int(ttl_s), 1))
-        if started is not None:
-            client.set(beat_key(queue) + ":started", repr(started), ex=KEY_TTL_S)
+        client.set(beat_key(queue), repr(now), ex=max(int(ttl_s), 1))
+        # A process's first tick says when it started; a later one restores the mark if
+        # Redis lost it (a restart without persistence lost every sweep's tick too), so
+        # sweeps get their grace from then, not a false "has not run" at once.
+        client.set(beat_key(queue) + ":started", repr(now if started is None else started),
+                   ex=KEY_TTL_S, nx=started is None)
 
 
 def last_beat(client: redis.Redis[bytes], queue: str) -> float | None:
