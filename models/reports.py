@@ -39,13 +39,14 @@ class LeaseFilter:
     def apply(self, query: Select[Any]) -> Select[Any]:
         if self.states:
             query = query.where(Lease.state.in_(self.states))
-        if self.provider:
+        # None is no filter; any string (an empty one too) is compared, never dropped
+        if self.provider is not None:
             query = query.where(Lease.provider == self.provider)
-        if self.tenant:
+        if self.tenant is not None:
             query = query.where(Lease.tenant == self.tenant)
         if self.created_before is not None:
             query = query.where(Lease.created_at < self.created_before)
-        if self.pool:
+        if self.pool is not None:
             query = query.where(Lease.pool == self.pool)
         return query
 
@@ -103,7 +104,7 @@ def run_page(store: Store, statuses: tuple[str, ...], thread_id: str | None, lim
     def where(query: Select[Any]) -> Select[Any]:
         if statuses:
             query = query.where(Run.status.in_(statuses))
-        if thread_id:
+        if thread_id is not None:
             query = query.where(Run.thread_id == thread_id)
         return query
 

@@ -8,18 +8,21 @@ the operator's guarded transitions on abandoned leases.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+import time
+from typing import Annotated, Any, NoReturn
 
 import typer
 
 from models.reports import LeaseFilter, lease_page
-from models.schema import Lease, LeaseEvent, LeaseState, Run, utcnow
+from models.schema import LIVE_STATES, Lease, LeaseEvent, LeaseState, Run, utcnow
 from workers.cli_common import (
     ExitCode,
     age,
     check_option_id,
     emit_json,
+    error_line,
     iso,
+    not_empty,
     page_footer,
     page_json,
     parse_duration,
@@ -34,13 +37,18 @@ STATES = [s.value for s in LeaseState]
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")]
 StateOpt = Annotated[list[str] | None, typer.Option(
-    "--state", help=f"Only leases in this state (repeatable): {', '.join(STATES)}.")]
-ProviderOpt = Annotated[str | None, typer.Option(help="Only leases of this provider.")]
-TenantOpt = Annotated[str | None, typer.Option(help="Only leases of this tenant.")]
+    "--state", callback=not_empty,
+    help=f"Only leases in this state (repeatable): {', '.join(STATES)}.")]
+ProviderOpt = Annotated[str | None, typer.Option(callback=not_empty,
+                                                 help="Only leases of this provider.")]
+TenantOpt = Annotated[str | None, typer.Option(callback=not_empty,
+                                               help="Only leases of this tenant.")]
 PoolOpt = Annotated[str | None, typer.Option(
+    callback=not_empty,
     help="Only leases of this warm pool (its members, and the leases runs asked it for).")]
 OlderOpt = Annotated[str | None, typer.Option(
-    "--older-than", help="Only leases created longer ago than this (90s, 15m, 2h, 1d).")]
+    "--older-than", callback=not_empty,
+    help="Only leases created longer ago than this (90s, 15m, 2h, 1d; at most 36500d).")]
 LimitOpt = Annotated[int, typer.Option(min=1, max=1000, help="At most this many rows.")]
 BeforeOpt = Annotated[str | None, typer.Option(
     "--before", metavar="ID",
@@ -57,7 +65,8 @@ def _filter(state: list[str] | None, provider: str | None, tenant: str | None,
     if unknown:
         raise typer.BadParameter(f"unknown state(s) {', '.join(unknown)}; known: "
                                  f"{', '.join(STATES)}", param_hint="--state")
-    before = utcnow() - parse_duration(older_than, "--older-than") if older_than else None
+    before = (utcnow() - parse_duration(older_than, "--older-than")
+              if older_than is not None else None)
     return LeaseFilter(tuple(state or ()), provider, tenant, before, pool)
 
 
@@ -111,9 +120,13 @@ def resolve(lease_id: str) -> Lease:
     matches = lease_ids_starting(store, lease_id) if len(lease_id) >= MIN_PREFIX else []
     if len(matches) == 1:
         return store.get_lease(matches[0])
-    raise NotFound(f"no lease {lease_id[:64]!r} in the store"
-                   + ("; several ids start with it: give more of it" if matches else
-                      "; `leasekeeper leases list` shows the ids"))
+    if matches:
+        hint = "several ids start with it: give more of it"
+    else:
+        hint = "`leasekeeper leases list` shows the ids"
+        if len(lease_id) < MIN_PREFIX:
+            hint = f"a prefix needs at least {MIN_PREFIX} characters; {hint}"
+    raise NotFound(f"no lease {lease_id[:64]!r} in the store; {hint}")
 
 
 @leases_cli.command("show")
@@ -174,11 +187,13 @@ def leases_destroy(
 ) -> None:
     """Destroy one lease, or every lease matching the filters (with --yes), through the
     normal lease.destroy task: history, retries and sweep.retry_cleanup apply."""
+    from celery.exceptions import TimeoutError as NoAnswer
+
     from tasks import producer
 
     rt = runtime()
     if lease_id is not None:
-        if state or provider or tenant or older_than:
+        if state or provider or tenant or older_than is not None:
             raise typer.BadParameter("give a lease id or filters, not both")
         targets = [resolve(lease_id)]
     else:
@@ -187,32 +202,52 @@ def leases_destroy(
                                      "--yes", param_hint="--state")
         targets = lease_page(rt.store, _filter(state, provider, tenant, older_than),
                              limit, counted=False).rows
-        if not yes:
-            typer.echo(table(["lease", "state", "provider", "created"],
-                             [[x.lease_id, x.state, x.provider, x.created_at]
-                              for x in targets]))
-            typer.echo(f"would destroy {len(targets)} lease(s); add --yes to do it", err=True)
-            raise typer.Exit(ExitCode.USAGE if targets else ExitCode.OK)
+        if not yes:  # the preview: it did what was asked, so exit 0
+            if as_json:
+                emit_json({"dry_run": True, "would_destroy": [lease_json(x) for x in targets],
+                           "destroyed": []})
+            else:
+                typer.echo(table(["lease", "state", "provider", "created"],
+                                 [[x.lease_id, x.state, x.provider, x.created_at]
+                                  for x in targets]))
+            typer.echo(f"would destroy {len(targets)} lease(s); nothing was destroyed: add "
+                       "--yes to do it", err=True)
+            raise typer.Exit(ExitCode.OK)
     require_broker()
     sent = [(x.lease_id, producer.destroy_lease(x.lease_id, reason)) for x in targets]
     results: list[dict[str, Any]] = []
     failed = 0
+    deadline = time.monotonic() + wait_s  # for all answers together, not each
     for ident, result in sent:
         try:
-            answer = result.get(timeout=wait_s, propagate=True) if wait_s else None
+            # a timeout of 0 would wait for ever: once past the deadline, only look
+            answer = (result.get(timeout=max(deadline - time.monotonic(), 0.01),
+                                 propagate=True) if wait_s else None)
             results.append({"lease_id": ident, "task_id": result.id,
                             **(answer or {"result": "sent"})})
+        except NoAnswer:  # still queued, or a worker is still on it
+            results.append({"lease_id": ident, "task_id": result.id,
+                            "result": "running" if result.state == "STARTED" else "queued"})
         except Exception as exc:  # the task's own error, reported per lease
             failed += 1
             results.append({"lease_id": ident, "task_id": result.id, "result": "failed",
                             "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+    queued, running = (sum(r["result"] == kind for r in results)
+                       for kind in ("queued", "running"))
     if as_json:
-        emit_json({"destroyed": results, "failed": failed})
+        emit_json({"destroyed": results, "failed": failed, "unanswered": queued + running})
     else:
         typer.echo(table(["lease", "result", "state", "task", "error"],
                          [[r["lease_id"], r.get("result"), r.get("state"), r["task_id"],
                            r.get("error")] for r in results]))
-    raise typer.Exit(ExitCode.NEEDS_ATTENTION if failed else ExitCode.OK)
+    if queued:
+        error_line(f"no worker answered within {wait_s:g} s; the destroy of {queued} "
+                   "lease(s) is queued and runs when a worker takes it; check "
+                   "`leasekeeper health --worker`")
+    if running:
+        error_line(f"{running} destroy(s) still running on a worker after {wait_s:g} s; "
+                   "`leasekeeper leases show <id>` shows when each ends")
+    raise typer.Exit(ExitCode.NEEDS_ATTENTION if failed or queued or running else ExitCode.OK)
 
 
 @leases_cli.command("retry")
@@ -220,9 +255,10 @@ def leases_retry(lease_id: str) -> None:
     """Give an abandoned lease a fresh set of cleanup attempts."""
     from tasks.operator import retry_abandoned
 
-    moved = retry_abandoned(runtime().store, resolve(lease_id).lease_id)
-    typer.echo("queued for sweep.retry_cleanup" if moved else "only abandoned leases retry")
-    raise typer.Exit(ExitCode.OK if moved else ExitCode.NEEDS_ATTENTION)
+    lease_id = resolve(lease_id).lease_id
+    if not retry_abandoned(runtime().store, lease_id):
+        _not_abandoned(lease_id, "retried")
+    typer.echo("queued for sweep.retry_cleanup")
 
 
 @leases_cli.command("forget")
@@ -231,6 +267,21 @@ def leases_forget(lease_id: str, reason: Annotated[str, typer.Option()] = "by op
     fact still there, sweep.orphans finds it and cleans it up with fresh attempts.)"""
     from tasks.operator import forget_abandoned
 
-    moved = forget_abandoned(runtime().store, resolve(lease_id).lease_id, reason)
-    typer.echo("forgotten" if moved else "only abandoned leases can be forgotten")
-    raise typer.Exit(ExitCode.OK if moved else ExitCode.NEEDS_ATTENTION)
+    lease_id = resolve(lease_id).lease_id
+    if not forget_abandoned(runtime().store, lease_id, reason):
+        _not_abandoned(lease_id, "forgotten")
+    typer.echo("forgotten")
+
+
+def _not_abandoned(lease_id: str, done: str) -> NoReturn:
+    """Refuse retry/forget (bad input, exit 2), naming the lease's state and what to do."""
+    state = runtime().store.get_lease(lease_id).state
+    if state in LIVE_STATES:
+        hint = f"to end it, `leasekeeper leases destroy {lease_id}`"
+    elif state == LeaseState.DESTROYED:
+        hint = "it is gone: nothing to do"
+    else:
+        hint = (f"its cleanup is under way; `leasekeeper leases show {lease_id}` shows each "
+                "attempt")
+    error_line(f"lease {lease_id} is {state}: only an abandoned lease can be {done}; {hint}")
+    raise typer.Exit(ExitCode.USAGE)

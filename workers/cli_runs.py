@@ -15,6 +15,7 @@ from workers.cli_common import (
     check_option_id,
     emit_json,
     iso,
+    not_empty,
     page_footer,
     page_json,
     runtime,
@@ -33,8 +34,10 @@ def register(cli: typer.Typer) -> None:
 @runs_cli.command("list")
 def runs_list(
     status: Annotated[list[str] | None, typer.Option(
+        callback=not_empty,
         help=f"Only runs with this status (repeatable): {', '.join(STATUSES)}.")] = None,
-    thread: Annotated[str | None, typer.Option(help="Only runs of this thread.")] = None,
+    thread: Annotated[str | None, typer.Option(callback=not_empty,
+                                               help="Only runs of this thread.")] = None,
     limit: LimitOpt = 50, before: BeforeOpt = None, as_json: JsonOpt = False,
 ) -> None:
     """List runs, newest first, a page at a time (--before for the next page)."""

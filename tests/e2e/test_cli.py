@@ -82,9 +82,11 @@ def test_the_operator_cli_on_a_live_stack(stack: WorkerStack) -> None:
     assert events[-1]["to_state"] == "destroyed"
     assert events[-1]["task_id"] == answer["destroyed"][0]["task_id"]
 
-    # bulk destroy: a dry listing without --yes, then through the workers with it.
-    cli(stack, "leases", "destroy", "--state", "active", "--tenant", tenant, "--older-than",
-        "0s", code=2)
+    # bulk destroy: a dry listing without --yes (exit 0: it did what was asked), then
+    # through the workers with it.
+    preview = cli_json(stack, "leases", "destroy", "--state", "active", "--tenant", tenant,
+                       "--older-than", "0s")
+    assert [x["lease_id"] for x in preview["would_destroy"]] == [leases[1]]
     assert stack.runtime().store.get_lease(leases[1]).state == "active"
     bulk = cli_json(stack, "leases", "destroy", "--state", "active", "--tenant", tenant,
                     "--older-than", "0s", "--yes")

@@ -1,0 +1,187 @@
+"""What an operator hit with `leasekeeper leases ...` and `runs list`, each run as a real
+`leasekeeper` process on a real store (SQLite and PostgreSQL): durations out of range,
+retry/forget on a lease that is not abandoned, a destroy no worker answers, the destroy
+preview with --json, a prefix too short, and empty filter values. Each answers in one line
+on stderr, with the README's exit code and no traceback."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import uuid
+from collections.abc import Iterator
+from datetime import timedelta
+from itertools import pairwise
+from pathlib import Path
+
+import pytest
+from sqlalchemy import insert
+
+from models.schema import Lease, LeaseState, utcnow
+from models.store import Store
+from tasks.leases import new_lease_id
+from tests.e2e.conftest import cli_env, leasekeeper
+from tests.services import RedisServer
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[Store]:
+    s = Store(store_url)
+    yield s
+    s.dispose()
+
+
+@pytest.fixture
+def env(store_url: str, tmp_path: Path) -> dict[str, str]:
+    return cli_env(LEASEKEEPER_STORE_URL=store_url, LEASEKEEPER_VAR_DIR=str(tmp_path))
+
+
+def add(store: Store, state: str, tenant: str = "acme") -> str:
+    """One lease in ``state`` (created an hour ago, no run); its id."""
+    lease_id = new_lease_id()
+    at = utcnow() - timedelta(hours=1)
+    with store.tx() as s:
+        s.execute(insert(Lease).values(
+            lease_id=lease_id, sandbox_key=f"k-{lease_id}", provider="noop",
+            provider_lease_id=f"lk-{lease_id}", state=state, tenant=tenant,
+            live_key=f"k-{lease_id}" if state == LeaseState.ACTIVE else None,
+            created_at=at, updated_at=at, acquire_deadline_at=at, deadline_at=at,
+            idle_timeout_s=60))
+    return lease_id
+
+
+def one_line(done: subprocess.CompletedProcess[str], code: int, *needles: str) -> str:
+    """The command exited ``code`` with one `leasekeeper: ` line on stderr holding each
+    needle, nothing on stdout, no traceback."""
+    assert done.returncode == code, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("leasekeeper: "), done.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+def refused(done: subprocess.CompletedProcess[str], option: str, *needles: str) -> None:
+    """Refused as bad input (exit 2) naming the option, its error on one line."""
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and option in errors[0], done.stderr
+    for needle in needles:
+        assert needle in errors[0], errors[0]
+
+
+def test_a_duration_past_100_years_is_refused(store: Store, env: dict[str, str]) -> None:
+    # Before: OverflowError tracebacks ("date value out of range", "Python int too large").
+    add(store, LeaseState.ACTIVE)
+    for value in ("999999d", "99999999999d", "36501d", "9" * 400):
+        for command in (["leases", "list"], ["leases", "destroy", "--state", "active"]):
+            refused(leasekeeper(*command, "--older-than", value, env=env), "--older-than",
+                    "100 years")
+    listed = leasekeeper("leases", "list", "--older-than", "36500d", "--json", env=env)
+    assert listed.returncode == 0 and json.loads(listed.stdout)["total"] == 0, listed.stderr
+
+
+@pytest.mark.parametrize("command", ["retry", "forget"])
+def test_retry_and_forget_name_the_state_of_a_lease_not_abandoned(
+        store: Store, env: dict[str, str], command: str) -> None:
+    # Before: "only abandoned leases retry" on stdout, exit 1.
+    active, destroyed, abandoned = (add(store, state) for state in (
+        LeaseState.ACTIVE, LeaseState.DESTROYED, LeaseState.ABANDONED))
+    one_line(leasekeeper("leases", command, active, env=env), 2, active, "is active",
+             "abandoned", f"leasekeeper leases destroy {active}")
+    one_line(leasekeeper("leases", command, destroyed, env=env), 2, destroyed,
+             "is destroyed", "nothing to")
+    assert store.get_lease(active).state == LeaseState.ACTIVE
+    done = leasekeeper("leases", command, abandoned, env=env)
+    assert done.returncode == 0, done.stderr
+    assert store.get_lease(abandoned).state == (
+        LeaseState.PENDING_CLEANUP if command == "retry" else LeaseState.DESTROYED)
+
+
+def test_a_destroy_no_worker_answers_says_it_is_queued(
+        store: Store, env: dict[str, str], redis_server: RedisServer) -> None:
+    # Before: "RESULT failed ... TimeoutError: The operation timed out.", exit 1.
+    import redis
+
+    queue = f"noworker-{uuid.uuid4().hex[:8]}"  # a queue no worker of the session serves
+    env = {**env, "LEASEKEEPER_BROKER_URL": redis_server.url,
+           "LEASEKEEPER_TASK_QUEUE": queue}
+    lease_id = add(store, LeaseState.ACTIVE)
+    try:
+        done = leasekeeper("leases", "destroy", lease_id, "--wait", "1", "--json", env=env)
+        assert "TimeoutError" not in done.stdout + done.stderr
+        one_line(done, 1, "no worker answered within 1 s",
+                 "queued and runs when a worker takes it", "leasekeeper health --worker")
+        answer = json.loads(done.stdout)
+        assert [(r["lease_id"], r["result"]) for r in answer["destroyed"]] == [
+            (lease_id, "queued")]
+        assert (answer["failed"], answer["unanswered"]) == (0, 1)
+        text = leasekeeper("leases", "destroy", lease_id, "--wait", "0.5", env=env)
+        one_line(text, 1, "no worker answered within 0.5 s")
+        assert "queued" in text.stdout.splitlines()[1]
+    finally:
+        client = redis.Redis.from_url(redis_server.url)
+        for key in client.scan_iter(f"{queue}*"):
+            client.delete(key)
+    assert store.get_lease(lease_id).state == LeaseState.ACTIVE  # nothing ran it
+
+
+def test_the_destroy_preview_is_json_with_json_and_exits_0(store: Store,
+                                                           env: dict[str, str]) -> None:
+    # Before: a table with --json, and exit 2 (bad input) for doing what was asked.
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    active = [add(store, LeaseState.ACTIVE, tenant) for _ in range(2)]
+    add(store, LeaseState.ACTIVE, "someone-else")
+    done = leasekeeper("leases", "destroy", "--state", "active", "--tenant", tenant,
+                       "--json", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    preview = json.loads(done.stdout)
+    assert [x["lease_id"] for x in preview["would_destroy"]] == active[::-1]
+    assert preview["would_destroy"][0]["tenant"] == tenant
+    assert (preview["dry_run"], preview["destroyed"]) == (True, [])
+    assert "nothing was destroyed" in done.stderr
+    table = leasekeeper("leases", "destroy", "--state", "active", "--tenant", tenant, env=env)
+    assert table.returncode == 0, table.stderr
+    assert all(x in table.stdout for x in active) and "add --yes" in table.stderr
+    assert {store.get_lease(x).state for x in active} == {LeaseState.ACTIVE}
+
+
+def test_a_prefix_shorter_than_8_characters_says_so(store: Store, env: dict[str, str]
+                                                    ) -> None:
+    # Before: "no lease ...; `leasekeeper leases list` shows the ids".
+    lease_id = add(store, LeaseState.ACTIVE)
+    for command in ("show", "retry", "forget"):
+        one_line(leasekeeper("leases", command, lease_id[:7], env=env), 4,
+                 repr(lease_id[:7]), "at least 8 characters")
+    done = leasekeeper("leases", "destroy", lease_id[:7], env=env)
+    assert done.returncode == 4 and "at least 8 characters" in done.stderr, done.stderr
+    shown = leasekeeper("leases", "show", lease_id[:8], "--json", env=env)
+    assert shown.returncode == 0 and lease_id in shown.stdout, shown.stderr
+
+
+@pytest.mark.parametrize("args", [
+    ["leases", "list", "--tenant", ""],
+    ["leases", "list", "--provider", ""],
+    ["leases", "list", "--pool", ""],
+    ["leases", "list", "--state", ""],
+    ["leases", "list", "--state", "active", "--state", " "],
+    ["leases", "list", "--older-than", ""],
+    ["leases", "destroy", "--tenant", "", "--state", "active"],
+    ["leases", "destroy", "--provider", "", "--state", "active", "--yes"],
+    ["leases", "destroy", "--state", "active", "--older-than", " ", "--yes"],
+    ["runs", "list", "--thread", ""],
+    ["runs", "list", "--status", ""],
+], ids=lambda args: " ".join(repr(a) if not a.strip() else a for a in args))
+def test_an_empty_filter_is_refused(store: Store, env: dict[str, str], args: list[str]
+                                    ) -> None:
+    # Before: dropped, so `destroy --tenant '' --state active` listed every tenant's leases.
+    lease_id = add(store, LeaseState.ACTIVE)
+    option = next(a for a, value in pairwise(args) if not value.strip())
+    done = leasekeeper(*args, env=env)
+    refused(done, option, "empty")
+    assert lease_id not in done.stdout
+    assert store.get_lease(lease_id).state == LeaseState.ACTIVE
