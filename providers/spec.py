@@ -10,6 +10,7 @@ and every size is bounded (below), so nothing too big for a process's argv and e
 from __future__ import annotations
 
 import re
+from decimal import Decimal
 from typing import Annotated, Any
 
 from pydantic import (
@@ -28,6 +29,10 @@ ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?"
                        r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
 RESERVED_LABEL_PREFIX = "leasekeeper.dev/"  # the labels that say which lease owns what
+# Variables leasekeeper sets in every sandbox (the providers': local's workspace marker,
+# the lease id, Kubernetes' bootstrap token for a pool's deliveries)
+RESERVED_ENV = frozenset({"LEASEKEEPER_LEASE_ID", "LEASEKEEPER_WORKSPACE",
+                          "LEASEKEEPER_BOOTSTRAP_TOKEN"})
 LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 TENANT = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
 POOL_NAME = TENANT  # a DNS label of at most 40 characters (it becomes a label value)
@@ -82,8 +87,44 @@ def _secret(value: SecretStr) -> SecretStr:
     return value
 
 
+def _no_blank_ends(value: str) -> str:
+    # Kubernetes refuses an image with leading or trailing whitespace when it creates the
+    # pod, long after the Job or Sandbox was accepted
+    if value != value.strip():
+        raise ValueError("must not start or end with whitespace")
+    return value
+
+
+# A Kubernetes quantity (resource.Quantity's syntax): a decimal number and a suffix
+QUANTITY = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?\d+)?$")
+_SUFFIX: dict[str, Decimal] = {
+    "": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
+    **{s: Decimal(10) ** (3 * i) for i, s in enumerate("kMGTPE", start=1)},
+    **{f"{s}i": Decimal(2) ** (10 * i) for i, s in enumerate("KMGTPE", start=1)}}
+
+
+def _quantity(value: str) -> str:
+    if not QUANTITY.match(value):
+        raise ValueError(f"{echo(value)} is not a Kubernetes quantity (e.g. 500m, 2, 512Mi, "
+                         "4Gi)")
+    return value
+
+
+def quantity_value(text: str) -> Decimal:
+    """A quantity's value (``QUANTITY`` syntax), to compare two of them."""
+    match = QUANTITY.match(text)
+    if match is None:
+        raise ValueError(f"not a quantity: {text!r}")
+    number, suffix = match.group(1), match.group(2) or ""
+    sign = -1 if text.startswith("-") else 1
+    if suffix[:1] in ("e", "E"):
+        return sign * Decimal(number + suffix)
+    return sign * Decimal(number) * _SUFFIX[suffix]
+
+
 Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_no_nul)]
-Quantity = Annotated[str, Field(min_length=1, max_length=32), AfterValidator(_no_nul)]
+Image = Annotated[Name, AfterValidator(_no_blank_ends)]
+Quantity = Annotated[str, Field(min_length=1, max_length=32), AfterValidator(_quantity)]
 EnvValue = Annotated[str, Field(max_length=MAX_ENV_VALUE_CHARS), AfterValidator(_no_nul)]
 SecretValue = Annotated[SecretStr, AfterValidator(_secret)]
 Arg = Annotated[str, Field(max_length=MAX_COMMAND_ARG_CHARS), AfterValidator(_no_nul)]
@@ -97,6 +138,15 @@ class Resources(BaseModel):
     cpu_limit: Quantity | None = None
     memory_limit: Quantity | None = None
 
+    @model_validator(mode="after")
+    def _requests_within_limits(self) -> Resources:
+        for kind in ("cpu", "memory"):
+            request, limit = getattr(self, f"{kind}_request"), getattr(self, f"{kind}_limit")
+            if request and limit and quantity_value(request) > quantity_value(limit):
+                raise ValueError(f"{kind}_request {request} is more than {kind}_limit {limit} "
+                                 "(Kubernetes refuses such a pod)")
+        return self
+
 
 class SandboxSpec(BaseModel):
     """What a run needs. Every field is optional; defaults come from settings."""
@@ -109,7 +159,7 @@ class SandboxSpec(BaseModel):
     thread_id: str | None = None
     sandbox_key: str | None = None
     reuse: bool = False
-    image: Name | None = None
+    image: Image | None = None
     command: list[Arg] | None = Field(default=None, min_length=1, max_length=MAX_COMMAND_ARGS)
     env: dict[str, EnvValue] = Field(default_factory=dict, max_length=MAX_ENV_VARS)
     secret_env: dict[str, SecretValue] = Field(default_factory=dict, max_length=MAX_ENV_VARS)
@@ -173,6 +223,19 @@ class SandboxSpec(BaseModel):
         total += sum(len(k) + len(v) for k, v in self.env.items())
         return total + sum(len(k) + len(v.get_secret_value())
                            for k, v in self.secret_env.items())
+
+    @model_validator(mode="after")
+    def _env_names_once(self) -> SandboxSpec:
+        both = sorted(self.env.keys() & self.secret_env.keys())
+        if both:
+            raise ValueError(f"{', '.join(map(echo, both[:5]))} set in both env and secret_env; "
+                             "give each variable once (a secret in secret_env only)")
+        ours = sorted((self.env.keys() | self.secret_env.keys()) & RESERVED_ENV)
+        if ours:
+            raise ValueError(f"{', '.join(map(echo, ours))}: leasekeeper sets "
+                             f"{'this variable' if len(ours) == 1 else 'these variables'} in "
+                             "every sandbox itself; use another name")
+        return self
 
     @model_validator(mode="after")
     def _total_size(self) -> SandboxSpec:

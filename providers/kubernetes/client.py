@@ -87,8 +87,11 @@ def build_api_client(settings: Settings) -> ApiClient:
         ) from None
     # Retry only connection setup (nothing was sent); everything else surfaces as a
     # ProviderError and the task's retry policy decides.
+    # Not on a Retry-After either (urllib3 would retry a GET or DELETE answered 429 or 503
+    # with one, exhaust status=0 at once and hide the answer in a MaxRetryError): the
+    # status comes back as it is, and the task's backoff waits.
     configuration.retries = urllib3.Retry(total=2, connect=2, read=0, status=0, other=0,
-                                          redirect=0)
+                                          redirect=0, respect_retry_after_header=False)
     return ApiClient(configuration)
 
 

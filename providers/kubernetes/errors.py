@@ -3,7 +3,7 @@
 (providers/errors.py). Nothing else in this package catches an ``ApiException``.
 
     TransientProviderError  429, 408, 5xx, timeouts, refused / dropped connections, a broken
-     │                      exec stream
+     │                      exec stream, a 403 for a used-up ResourceQuota
       ├── KubeExpired       410 Gone: a watch's resourceVersion is too old (re-list, re-watch)
       └── KubeCommandInterrupted  an exec'd command exited with a code its caller calls transient
     TerminalProviderError   400, 401, 403, 405, 415, 422 and anything else unexpected
@@ -16,7 +16,9 @@ Which statuses are transient is data (``TRANSIENT_STATUSES``). Messages carry th
 the API's reason and message, and what to do (``error.status`` has the status, for the
 metrics); for Secret operations (``sensitive=True``) the API's free-text message is left
 out, so no Secret content can reach a log. Every call names
-the RBAC ``Permission`` it needs, so a 403 says exactly which verb on which resource to grant.
+the RBAC ``Permission`` it needs, so a 403 says exactly which verb on which resource to grant;
+a 403 the API server gives for another reason (a used-up quota, a namespace being deleted,
+an admission webhook) says that instead (``forbidden``).
 """
 
 from __future__ import annotations
@@ -135,21 +137,59 @@ def describe_api_exception(action: str, exc: ApiException, *, sensitive: bool,
                            permission: Permission | None = None, namespace: str = "") -> str:
     body = _status_body(exc)
     return _describe(action, int(exc.status or 0), str(body.get("reason") or exc.reason or ""),
-                     "" if sensitive else str(body.get("message") or ""),
-                     permission=permission, namespace=namespace)
+                     str(body.get("message") or ""), permission=permission,
+                     namespace=namespace, sensitive=sensitive)
+
+
+@dataclass(frozen=True)
+class Forbidden:
+    """A 403 that no RBAC rule explains, recognised by the API server's message."""
+
+    needle: str
+    transient: bool
+    hint: str
+
+
+# The API server answers 403 for more than a missing RBAC rule; a missing rule's message
+# says `... cannot <verb> resource "<resource>" ...`.
+FORBIDDEN_NOT_RBAC: tuple[Forbidden, ...] = (
+    Forbidden("exceeded quota", True,
+              "the namespace's ResourceQuota is used up: the task retries with backoff; free "
+              "some of it or raise the quota (kubectl describe resourcequota)"),
+    Forbidden("is being terminated", False,
+              "the namespace is being deleted: point LEASEKEEPER_KUBE_NAMESPACE at another "
+              "namespace, or retry once it is recreated"),
+    Forbidden("admission webhook", False,
+              "an admission webhook of the cluster denied it, not RBAC: its message says why"),
+)
+
+
+def forbidden(status: int, message: str) -> Forbidden | None:
+    """What a 403 means when it is not a missing RBAC rule; None when it is one (or may
+    be: a 403 nothing here recognises is taken for one)."""
+    if status != 403 or _REFUSED.search(message):
+        return None
+    return next((f for f in FORBIDDEN_NOT_RBAC if f.needle in message), None)
 
 
 def _describe(action: str, status: int, reason: str, message: str, *,
-              permission: Permission | None, namespace: str) -> str:
+              permission: Permission | None, namespace: str, sensitive: bool = False) -> str:
+    """``message`` is the API server's; with ``sensitive`` it only decides the hint and is
+    not quoted (a recognised 403 is named by what it is)."""
     reason, message = reason.strip(), message.strip()
     hint = _HINTS.get(status) or (
         "the API server failed; the task retries with backoff" if status >= 500 else
         "unexpected answer from the API server")
-    if status == 403 and permission is not None:
+    other = forbidden(status, message)
+    if other is not None:
+        hint = other.hint
+    elif status == 403 and permission is not None:
         hint = permission.refused(message).missing(namespace)
     detail = f"HTTP {status} {reason}".strip()
-    if message:
+    if message and not sensitive:
         detail += f": {message[:300]}"
+    elif other is not None:
+        detail += f": {other.needle}"
     return f"kubernetes: {action} failed ({detail}); {hint}"
 
 
@@ -157,9 +197,13 @@ def translate_api_exception(action: str, exc: ApiException, *, sensitive: bool,
                             permission: Permission | None = None,
                             namespace: str = "") -> ProviderError:
     status = int(exc.status or 0)
-    return _classify(status, str(_status_body(exc).get("reason") or ""), describe_api_exception(
-        action, exc, sensitive=sensitive, permission=permission, namespace=namespace,
-    )).with_status(status or None)  # 0: no HTTP answer at all
+    body = _status_body(exc)
+    other = forbidden(status, str(body.get("message") or ""))
+    text = describe_api_exception(action, exc, sensitive=sensitive, permission=permission,
+                                  namespace=namespace)
+    error = (TransientProviderError(text) if other is not None and other.transient
+             else _classify(status, str(body.get("reason") or ""), text))
+    return error.with_status(status or None)  # 0: no HTTP answer at all
 
 
 def translate_status(action: str, status: Mapping[str, Any], *,

@@ -33,6 +33,9 @@ PodT = TypeVar("PodT", bound=Mapping[str, Any])
 # Failed condition (agent-sandbox's own client keeps such a set for claims).
 TERMINAL_READY_REASONS: frozenset[str] = frozenset({"SandboxExpired"})
 _FAILED_REASON = re.compile("failed", re.IGNORECASE)
+# The controller could not create the sandbox's pod because the API server refused it as
+# invalid (422: `Pod "x" is invalid: ...`): the same pod is refused on every try.
+_REFUSED_POD = re.compile(r'\bis invalid: ')
 # A Job Failed for one of these reasons was stopped by Kubernetes before its command
 # exited: it has ended, and it has no exit code of its own (its pods were killed).
 STOPPED_JOB_REASONS: frozenset[str] = frozenset({"DeadlineExceeded"})
@@ -148,8 +151,9 @@ def _describe(cond: Mapping[str, Any]) -> str:
 
 def sandbox_state(sandbox: Obj) -> SandboxState:
     """Ready = condition Ready=True (or phase Ready on old controllers). Failed = a Failed
-    condition or phase, Ready=False with a reason matching /failed/i or a terminal reason,
-    or Finished=True (its pod ended). Terminating = deletionTimestamp set."""
+    condition or phase, Ready=False with a reason matching /failed/i, a terminal reason or
+    a message saying the API server refused its pod as invalid, or Finished=True (its pod
+    ended). Terminating = deletionTimestamp set."""
     name = name_of(sandbox)
     if is_terminating(sandbox):
         return SandboxState(SandboxPhase.TERMINATING, f"Sandbox {name} is terminating")
@@ -170,7 +174,8 @@ def sandbox_state(sandbox: Obj) -> SandboxState:
         if status == "True":
             return SandboxState(SandboxPhase.READY)
         if status == "False" and (_FAILED_REASON.search(reason)
-                                  or reason in TERMINAL_READY_REASONS):
+                                  or reason in TERMINAL_READY_REASONS
+                                  or _REFUSED_POD.search(str(ready.get("message") or ""))):
             return SandboxState(SandboxPhase.FAILED,
                                 f"Sandbox {name} is not Ready ({_describe(ready)})")
         return SandboxState(SandboxPhase.PENDING,

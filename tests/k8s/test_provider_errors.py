@@ -11,6 +11,7 @@ import pytest
 
 from providers.errors import (
     ProviderConflict,
+    ProviderError,
     TerminalProviderError,
     TransientProviderError,
     is_transient,
@@ -90,3 +91,53 @@ def test_a_404_where_none_is_expected_is_terminal(kenv: KubeEnv, fault_proxy: An
         assert not is_transient(info.value)
     finally:
         provider.api.api_client.close()
+
+
+@pytest.mark.parametrize("call", ["resume", "destroy"])
+def test_a_429_with_retry_after_on_a_read_or_delete_keeps_its_status(
+        kenv: KubeEnv, call: str) -> None:
+    # urllib3 retried an idempotent call answered with a Retry-After, ran out of retries at
+    # once and hid the answer: "connection to the API server failed", status None.
+    request = kenv.request()
+    acquired = kenv.provider.acquire(request)
+    handle = kenv.handle(request.name, **acquired.meta)
+    kenv.proxy.throttle("GET" if call == "resume" else "DELETE",
+                        rf"/sandboxes/{request.name}$", retry_after=1, times=None)
+    with pytest.raises(ProviderError) as info:
+        if call == "resume":
+            kenv.provider.resume_check(handle, 3)
+        else:
+            kenv.provider.destroy(handle)
+    error = info.value
+    failures = getattr(error, "failures", None)
+    if failures:  # a destroy reports each part: the workload's is the throttled one
+        error = next(f.error for f in failures if f.part == "workload")
+    assert is_transient(error) and error.status == 429, error
+    assert "HTTP 429 TooManyRequests" in str(error)
+    kenv.proxy.clear_rules()
+    kenv.provider.destroy(handle)
+
+
+QUOTA = ('{kind} "lk-x" is forbidden: exceeded quota: q, requested: count/{kind}=1, used: '
+         'count/{kind}=0, limited: count/{kind}=0')
+
+
+@pytest.mark.parametrize("kind", ["sandboxes", "secrets"])
+def test_a_used_up_quota_is_no_missing_rbac_rule_and_passes(kenv: KubeEnv, kind: str) -> None:
+    kenv.proxy.forbid("POST", rf"/{kind}$", message=QUOTA.format(kind=kind))
+    with pytest.raises(TransientProviderError) as info:
+        kenv.provider.acquire(kenv.request())
+    text = str(info.value)
+    assert "HTTP 403" in text and "exceeded quota" in text and "ResourceQuota" in text, text
+    assert "RBAC" not in text
+    assert info.value.status == 403
+
+
+def test_a_namespace_being_deleted_is_named(kenv: KubeEnv) -> None:
+    kenv.proxy.forbid("POST", r"/sandboxes$", message=(
+        f'sandboxes "lk-x" is forbidden: unable to create new content in namespace '
+        f"{kenv.namespace} because it is being terminated"))
+    with pytest.raises(TerminalProviderError) as info:
+        kenv.provider.acquire(kenv.request())
+    assert "namespace is being deleted" in str(info.value)
+    assert "RBAC" not in str(info.value)

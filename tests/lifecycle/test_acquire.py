@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+from decimal import Decimal
 
 import pytest
 
@@ -17,7 +18,7 @@ from providers.errors import (
     TransientProviderError,
 )
 from providers.faulty import FaultPlan
-from providers.spec import SandboxSpec
+from providers.spec import SandboxSpec, quantity_value
 from tasks.acquire import AcquireResult, acquire_lease, parse_acquire
 from tasks.leases import handle
 from tasks.redaction import scrub_text
@@ -187,6 +188,12 @@ def test_unknown_provider_is_refused_before_anything_is_written(rt: Runtime) -> 
     ("r", {"secret_env": "12345"}, r"secret_env is invalid: .*valid dictionary"),
     ("r", {"labels": {"leasekeeper.dev/lease-id": "x"}}, r"leasekeeper.dev/ prefix is"),
     ("r", {"labels": {"Example.com/team": "x"}}, r"not a valid Kubernetes label"),
+    ("r", {"image": " busybox:1.36"}, r"image: .*whitespace"),
+    ("r", {"resources": {"cpu_request": "lots"}}, r"'lots' is not a Kubernetes quantity"),
+    ("r", {"resources": {"memory_request": "2Gi", "memory_limit": "1Gi"}},
+     r"memory_request 2Gi is more than memory_limit 1Gi"),
+    ("r", {"env": {"X": "a"}, "secret_env": {"X": "12345"}}, r"'X' set in both env and"),
+    ("r", {"env": {"LEASEKEEPER_LEASE_ID": "x"}}, r"leasekeeper sets this variable"),
 ])
 def test_malformed_payloads_are_clear_and_leak_nothing(run_id: str, spec: dict[str, object],
                                                        message: str) -> None:
@@ -208,3 +215,12 @@ def test_an_unknown_backend_of_the_local_and_noop_providers_is_refused(rt: Runti
             rt.provider(provider).check_spec(SandboxSpec(backend="bogus"))
     rt.provider("local").check_spec(SandboxSpec(backend="process"))
     rt.provider("noop").check_spec(SandboxSpec(backend="none"))
+
+
+def test_quantities_compare_by_value() -> None:
+    assert quantity_value("500m") == Decimal("0.5") and quantity_value("2") == 2
+    assert quantity_value("1Gi") > quantity_value("1000Mi") > quantity_value("1G")
+    assert quantity_value("1e3") == quantity_value("1k") == 1000
+    assert quantity_value(".5") == quantity_value("0.5")
+    SandboxSpec(resources={"cpu_request": "1500m", "cpu_limit": "2", "memory_request": "1Gi",
+                           "memory_limit": "1024Mi"})

@@ -295,10 +295,14 @@ def test_secret_values_never_reach_the_workload_manifest() -> None:
 
 
 def test_the_bootstrap_token_wins_over_a_secret_env_of_the_same_name() -> None:
+    # A spec may not name it (providers/spec.py RESERVED_ENV); were one built without that
+    # check, the token still wins.
+    with pytest.raises(ValueError, match="leasekeeper sets this variable"):
+        spec(secret_env={"LEASEKEEPER_BOOTSTRAP_TOKEN": SecretStr("mine")})
     owner = OwnerRef("batch/v1", "Job", "lk-01jabc", "uid-1")
-    manifest = build_secret(
-        IDENTITY, spec(secret_env={"LEASEKEEPER_BOOTSTRAP_TOKEN": SecretStr("mine")}),
-        DEFAULTS, Backend.JOB, "tok", owner)
+    unchecked = SandboxSpec.model_construct(
+        tenant="acme", secret_env={"LEASEKEEPER_BOOTSTRAP_TOKEN": SecretStr("mine")})
+    manifest = build_secret(IDENTITY, unchecked, DEFAULTS, Backend.JOB, "tok", owner)
     assert manifest["stringData"] == {"LEASEKEEPER_BOOTSTRAP_TOKEN": "tok"}
 
 
@@ -358,6 +362,15 @@ def sandbox(conditions: list[dict[str, str]] | None = None, **extra: Any) -> dic
      SandboxPhase.FAILED),
     (sandbox([{"type": "Ready", "status": "True"}],
              metadata={"deletionTimestamp": "2026-01-01T00:00:00Z"}), SandboxPhase.TERMINATING),
+    # the controller's pod was refused as invalid (422): refused again on every try
+    (sandbox([{"type": "Ready", "status": "False", "reason": "ReconcilerError",
+               "message": 'creating the pod failed: {"kind":"Status","message":"Pod \\"lk-1\\" '
+                          'is invalid: spec.containers[0].image: Invalid value"}'}]),
+     SandboxPhase.FAILED),
+    # a transient reconcile error (the API server was unavailable) is still pending
+    (sandbox([{"type": "Ready", "status": "False", "reason": "ReconcilerError",
+               "message": "creating the pod failed: the server is currently unable to handle "
+                          "the request"}]), SandboxPhase.PENDING),
 ])
 def test_sandbox_state(obj: dict[str, Any], phase: SandboxPhase) -> None:
     assert sandbox_state(obj).phase is phase
