@@ -103,8 +103,10 @@ class PoolDeclaration(BaseModel):
         for name in SANDBOX_FIELDS:
             asked, runs = getattr(spec, name), getattr(member, name)
             if asked is not None and asked != runs:
-                shown = (f" {echo(asked)}, the pool runs {echo(runs)}"
-                         if isinstance(asked, str) else "")
+                template = ("sets none (the provider's default)" if runs is None else
+                            f"has {echo(runs)}" if isinstance(runs, str) else "has another")
+                shown = f" (asked {echo(asked)}; the template {template})" if isinstance(
+                    asked, str) else ""
                 raise InvalidRequest(
                     f"spec.{name} differs from pool {self.name!r}'s template{shown}: its "
                     f"members are already running the template; leave spec.{name} out to "
