@@ -44,6 +44,10 @@ def _id(kind: str, value: object) -> str:
 # A send within this long of the last one that reached the broker skips the PING (a
 # round trip per call otherwise: a tenth of a lifecycle's producer and Redis time).
 BROKER_SEEN_S = 1.0
+# A failed publish is not retried here (Celery's default tries four times, each waiting
+# out the socket timeout of workers/app.py on a broker that went quiet): the caller gets
+# BrokerUnavailable, which is transient, within one timeout.
+PUBLISH_RETRY_POLICY = {"max_retries": 0}
 _broker_seen_at = float("-inf")  # monotonic time of the last send that reached the broker
 
 
@@ -60,7 +64,7 @@ def _send(task: Task, kwargs: dict[str, Any]) -> AsyncResult:
             client = getattr(task.app.backend, "client", None)  # the result backend's Redis
             if client is not None:
                 client.ping()
-        result = task.apply_async(kwargs=kwargs)
+        result = task.apply_async(kwargs=kwargs, retry_policy=PUBLISH_RETRY_POLICY)
     except (*_BROKER_ERRORS, RuntimeError) as exc:
         lost = _broker_error(exc)
         if lost is None:
@@ -71,7 +75,9 @@ def _send(task: Task, kwargs: dict[str, Any]) -> AsyncResult:
     return result
 
 
-_BROKER_ERRORS = (redis.ConnectionError, redis.TimeoutError, OperationalError)
+# InvalidResponse: what answers at the broker's address is not Redis.
+_BROKER_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.InvalidResponse,
+                  OperationalError)
 
 
 def _broker_error(exc: BaseException) -> BaseException | None:
@@ -92,9 +98,13 @@ def broker_unreachable(url: str, exc: BaseException) -> str:
     """The one-line message for a broker that cannot be reached (no password shown)."""
     from kombu.utils.url import maybe_sanitize_url
 
+    where = f"the broker at {maybe_sanitize_url(url)} (LEASEKEEPER_BROKER_URL)"
+    if isinstance(exc, redis.exceptions.InvalidResponse):  # an HTTP server, say
+        return (f"{where} is not Redis: what answers there speaks another protocol "
+                f"({str(exc)[:80]}); nothing was sent. Point the URL at Redis, then retry")
     reason = str(exc).split(". ")[-1].strip(". ") or type(exc).__name__
-    return (f"the broker at {maybe_sanitize_url(url)} (LEASEKEEPER_BROKER_URL) is unreachable "
-            f"({reason}); nothing was sent. Start Redis there or fix the URL, then retry")
+    return (f"{where} is unreachable ({reason}); nothing was sent. Start Redis there or fix "
+            f"the URL, then retry")
 
 
 def acquire_lease(run_id: str, spec: SandboxSpec | Mapping[str, Any] | None = None

@@ -97,7 +97,11 @@ def single_flight(rt: Runtime, sweep: str) -> Iterator[bool]:
     try:
         acquired = bool(lock.acquire(blocking=False))
     except redis.RedisError as exc:
-        raise StoreUnavailable(f"Redis lock for {sweep} unavailable: {exc}") from None
+        from tasks.producer import broker_unreachable  # the URL, its setting, the fix
+
+        reason = broker_unreachable(rt.settings.effective_broker_url, exc)
+        raise StoreUnavailable(f"Redis lock for {sweep} unavailable: "
+                               + reason.replace("; nothing was sent.", ".")) from None
     try:
         yield acquired
     finally:

@@ -33,6 +33,12 @@ from workers.settings import Settings, get_settings
 TASK_MODULES = ["tasks.acquire", "tasks.resume", "tasks.destroy", "tasks.reclaim",
                 "tasks.runs", "tasks.sweeps", "tasks.finish_exited", "tasks.stuck",
                 "tasks.orphans", "tasks.pool_fill", "tasks.diag"]
+# A broker that accepted the connection and went quiet (frozen, failed over, a dead NAT
+# path) fails a call after these, instead of after Celery's 120 s (the result backend) or
+# never (kombu's transport): the producer raises BrokerUnavailable. They stay far above
+# the transport's 1 s BRPOP and a result wait's 1 s polls, so an idle worker never times out.
+BROKER_SOCKET_TIMEOUT_S = 10.0
+BROKER_CONNECT_TIMEOUT_S = 5.0
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
@@ -40,12 +46,16 @@ def celery_config(settings: Settings) -> dict[str, Any]:
     # "priority": a worker polls its queues in the order of task_queues (cleanup first),
     # instead of round robin; see workers/queues.py.
     transport = {"visibility_timeout": int(settings.visibility_timeout_s),
-                 "queue_order_strategy": "priority"}
+                 "queue_order_strategy": "priority",
+                 "socket_timeout": BROKER_SOCKET_TIMEOUT_S,
+                 "socket_connect_timeout": BROKER_CONNECT_TIMEOUT_S}
     return {
         "broker_url": broker,
         "result_backend": settings.result_backend_url or broker,
         "broker_transport_options": transport,
         "result_backend_transport_options": {"retry_policy": {"timeout": 5.0}},
+        "redis_socket_timeout": BROKER_SOCKET_TIMEOUT_S,
+        "redis_socket_connect_timeout": BROKER_CONNECT_TIMEOUT_S,
         "broker_connection_retry_on_startup": True,
         "task_serializer": "json",
         "result_serializer": "json",

@@ -1,7 +1,8 @@
 """Checks a command runs before it uses the broker or the store, so a person gets one line
 naming the setting, the address and the fix, never a traceback or a silent hang.
 
-    check_broker(url)   Redis answers a PING within a second or two  -> BrokerUnavailable
+    check_broker(url)   Redis answers a PING within a second or two (not something
+                        else, an HTTP server, say)                   -> BrokerUnavailable
     check_store(url)    the driver is installed, the SQLite folder and file exist, the
                         schema is at the latest migration            -> ConfigError
                                                                          StoreUnavailable
@@ -33,10 +34,7 @@ def check_broker(url: str, timeout_s: float = 2.0) -> None:
                                   socket_connect_timeout=timeout_s)
     try:
         client.ping()
-    except (redis.ConnectionError, redis.TimeoutError) as exc:
-        raise BrokerUnavailable(broker_unreachable(url, exc)
-                                .replace("; nothing was sent.", ".")) from None
-    except redis.ResponseError as exc:  # e.g. a password is needed
+    except redis.RedisError as exc:  # refused, silent, a password needed, or not Redis
         raise BrokerUnavailable(broker_unreachable(url, exc)
                                 .replace("; nothing was sent.", ".")) from None
     finally:

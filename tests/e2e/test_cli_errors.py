@@ -4,11 +4,18 @@ name the setting, the address and the fix, with a non-zero exit and no traceback
 
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+from kombu.utils.url import maybe_sanitize_url
 
+from models.schema import utcnow
+from models.store import NewLease, Store
 from tests.e2e.conftest import HIDDEN_PACKAGES, cli_env, leasekeeper
 from tests.services import free_port
 
@@ -223,3 +230,81 @@ def test_a_broker_lost_between_two_sends_fails_each_send_as_broker_unavailable(
     assert [a.split()[0] for a in answers] == ["unavailable"] * 3, done.stdout + done.stderr
     assert all("LEASEKEEPER_BROKER_URL" in a for a in answers)
     assert "Traceback" not in done.stderr
+
+
+@contextlib.contextmanager
+def http_server() -> Iterator[int]:
+    """A port where something other than Redis answers: an HTTP server's 400, then close."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):  # the listener closed: the test is over
+            while True:
+                conn = listener.accept()[0]
+                with conn:
+                    conn.settimeout(5)
+                    with contextlib.suppress(OSError):
+                        conn.recv(4096)  # the request, as an HTTP server reads it first
+                        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield int(listener.getsockname()[1])
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept()
+        listener.close()
+        thread.join(5)
+
+
+def a_lease(store_url: str, lease_id: str) -> None:
+    """A provisioning lease (and its run) in the store, for a command that looks it up."""
+    store = Store(store_url)
+    try:
+        store.start_run("run-1", "thread-1", "noop", "key-1")
+        store.create_intent(NewLease(
+            lease_id=lease_id, sandbox_key="key-1", provider="noop",
+            provider_lease_id=f"lk-{lease_id}", reuse=False, tenant="acme",
+            thread_id="thread-1", run_id="run-1", spec={}, acquire_deadline_at=utcnow(),
+            deadline_at=utcnow() + timedelta(hours=1), idle_timeout_s=60), task_id=None)
+    finally:
+        store.dispose()
+
+
+def test_a_broker_address_where_something_else_answers_is_named_not_redis(
+        tmp_path: Path) -> None:
+    # Before: health --broker/--worker/--beat and leases destroy printed a traceback ending
+    # "redis.exceptions.InvalidResponse: Protocol Error: b'HTTP/1.1 400 Bad Request'".
+    migrated = leasekeeper("db", "upgrade", env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    assert migrated.returncode == 0, migrated.stderr
+    a_lease(f"sqlite:///{tmp_path / 'leasekeeper.db'}", "0123456789abcdef")
+    with http_server() as port:
+        url = f"redis://:secret-pw@127.0.0.1:{port}/0"
+        env = cli_env(LEASEKEEPER_BROKER_URL=url, LEASEKEEPER_VAR_DIR=str(tmp_path))
+        for command, code in ((["health", "--broker"], 1), (["health", "--worker"], 1),
+                              (["health", "--beat"], 1),
+                              (["leases", "destroy", "0123456789abcdef"], 3)):
+            done = leasekeeper(*command, env=env)
+            assert done.returncode == code, (command, done.stdout + done.stderr)
+            err = short_error(done, f"127.0.0.1:{port}", "LEASEKEEPER_BROKER_URL",
+                              "not Redis")
+            assert "secret-pw" not in err, command
+        status = leasekeeper("status", env=env)
+    assert status.returncode == 1, status.stdout + status.stderr
+    assert "not Redis" in status.stdout and "LEASEKEEPER_BROKER_URL" in status.stdout
+    assert "secret-pw" not in status.stdout + status.stderr
+    assert "Traceback" not in status.stderr
+
+
+def test_reap_with_the_broker_down_names_the_setting_and_the_fix(tmp_path: Path) -> None:
+    # Before: "Redis lock for sweep.finish_exited unavailable: Error 111 connecting to
+    # 127.0.0.1:<port>. Connection refused." (no setting, no fix).
+    migrated = leasekeeper("db", "upgrade", env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    assert migrated.returncode == 0, migrated.stderr
+    url = f"redis://:secret-pw@127.0.0.1:{closed_port()}/0"
+    done = leasekeeper("reap", env=cli_env(LEASEKEEPER_BROKER_URL=url,
+                                           LEASEKEEPER_VAR_DIR=str(tmp_path)))
+    assert done.returncode == 3, done.stdout + done.stderr
+    err = short_error(done, "sweep.finish_exited", maybe_sanitize_url(url),
+                      "LEASEKEEPER_BROKER_URL", "Start Redis there")
+    assert "secret-pw" not in err
