@@ -111,7 +111,7 @@ MIN_PREFIX = 8
 def resolve(lease_id: str) -> Lease:
     """The lease with this id, or the only one whose id starts with it (8+ characters)."""
     from models.reports import lease_ids_starting
-    from providers.errors import NotFound
+    from providers.errors import InvalidRequest, NotFound
 
     store = runtime().store
     lease = store.find_lease(lease_id)
@@ -120,8 +120,9 @@ def resolve(lease_id: str) -> Lease:
     matches = lease_ids_starting(store, lease_id) if len(lease_id) >= MIN_PREFIX else []
     if len(matches) == 1:
         return store.get_lease(matches[0])
-    if matches:
-        hint = "several ids start with it: give more of it"
+    if matches:  # ambiguous: bad input (exit 2), not a lease that does not exist
+        raise InvalidRequest(f"several leases' ids start with {lease_id[:64]!r} (e.g. "
+                             f"{', '.join(matches)}): give more of the id")
     else:
         hint = "`leasekeeper leases list` shows the ids"
         if len(lease_id) < MIN_PREFIX:

@@ -38,9 +38,9 @@ def env(store_url: str, tmp_path: Path) -> dict[str, str]:
     return cli_env(LEASEKEEPER_STORE_URL=store_url, LEASEKEEPER_VAR_DIR=str(tmp_path))
 
 
-def add(store: Store, state: str, tenant: str = "acme") -> str:
+def add(store: Store, state: str, tenant: str = "acme", lease_id: str | None = None) -> str:
     """One lease in ``state`` (created an hour ago, no run); its id."""
-    lease_id = new_lease_id()
+    lease_id = lease_id or new_lease_id()
     at = utcnow() - timedelta(hours=1)
     with store.tx() as s:
         s.execute(insert(Lease).values(
@@ -185,3 +185,13 @@ def test_an_empty_filter_is_refused(store: Store, env: dict[str, str], args: lis
     refused(done, option, "empty")
     assert lease_id not in done.stdout
     assert store.get_lease(lease_id).state == LeaseState.ACTIVE
+
+
+def test_an_ambiguous_prefix_is_bad_input_naming_the_candidates(
+        store: Store, env: dict[str, str]) -> None:
+    # Before: "no lease ...; several ids start with it", exit 4 (no such lease).
+    first = add(store, LeaseState.ACTIVE, lease_id="0badcafe" + "0" * 23 + "1")
+    second = add(store, LeaseState.ACTIVE, lease_id="0badcafe" + "0" * 23 + "2")
+    done = leasekeeper("leases", "show", "0badcafe", env=env)
+    one_line(done, 2, "several leases' ids start with '0badcafe'", first, second,
+             "give more of the id")
