@@ -30,7 +30,7 @@ from datetime import datetime, timedelta
 from enum import StrEnum
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, Table, func, insert, select, update
+from sqlalchemy import ColumnElement, Table, and_, func, insert, not_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
@@ -51,6 +51,8 @@ P = cast(Table, Pool.__table__)
 MEMBER_STATES = (LeaseState.PROVISIONING, LeaseState.WARM, LeaseState.PENDING_CLEANUP,
                  LeaseState.DESTROYING)
 LAST_ERROR_CHARS = 500
+# How a warm member's exit is recorded as its pool's last error (member_ready reads it)
+WARM_EXIT = "a warm member's command exited"
 
 
 def unclaimed(pool: str) -> list[ColumnElement[bool]]:
@@ -285,15 +287,22 @@ class PoolStore:
 
     # -- pool.provision ------------------------------------------------------------------
     def member_ready(self, lease_id: str, pool: str, backend: str, meta: dict[str, Any],
-                     reason: str, task_id: str | None) -> bool:
-        """provisioning → warm, and the pool's breaker closes, in one transaction."""
+                     reason: str, task_id: str | None, policy: BreakerPolicy) -> bool:
+        """provisioning → warm, and the pool's breaker closes, in one transaction; unless
+        the last failure it counted was a warm member's exit within the longest backoff:
+        a template whose command exits becomes ready every time, so readiness proves
+        nothing until its members have stayed warm that long."""
         now = utcnow()
         with self.store.tx() as s:
             won = move(s, self.store, lease_id, LeaseState.PROVISIONING, LeaseState.WARM,
                        reason, task_id, UNCLAIMED, {}, backend=backend, provider_meta=meta,
                        ready_at=now)
             if won:
-                s.execute(update(P).where(P.c.name == pool, P.c.consecutive_failures > 0)
+                exited_lately = and_(
+                    P.c.last_error.startswith(WARM_EXIT, autoescape=True),
+                    P.c.updated_at > now - timedelta(seconds=policy.backoff_max_s))
+                s.execute(update(P).where(P.c.name == pool, P.c.consecutive_failures > 0,
+                                          not_(exited_lately))
                           .values(consecutive_failures=0, open_until=None, updated_at=now))
         return won
 
@@ -421,26 +430,33 @@ class PoolStore:
                     won.append(drain)
         return won
 
-    def retire_exited(self, lease_ids: Sequence[str], claim_s: float, task_id: str | None,
-                      dry_run: bool = False) -> list[str]:
-        """Warm members among ``lease_ids`` (whose command exited by itself): pending_cleanup,
-        their destroys claimed for ``claim_s`` (no run will ever want them). A dry run only
-        says which."""
-        if not lease_ids:
+    def retire_exited(self, exits: Mapping[str, str], claim_s: float, task_id: str | None,
+                      policy: BreakerPolicy, dry_run: bool = False) -> list[str]:
+        """Warm members among ``exits`` (lease id → how its command exited by itself):
+        pending_cleanup, their destroys claimed for ``claim_s`` (no run will ever want
+        them), each counted by its pool's breaker (a member must wait for its run's data:
+        one that exits is a failure of the template). A dry run only says which."""
+        if not exits:
             return []
         now = utcnow()
         with self.store.tx() as s:
-            query = select(L.c.lease_id).where(L.c.lease_id.in_(list(lease_ids)),
-                                               L.c.state == LeaseState.WARM)
+            query = select(L.c.lease_id, L.c.pool).where(L.c.lease_id.in_(list(exits)),
+                                                         L.c.state == LeaseState.WARM)
             if dry_run:
-                return list(s.scalars(query))
+                return [row.lease_id for row in s.execute(query)]
             if self._postgres:
                 query = query.with_for_update(skip_locked=True)
-            return [lease_id for lease_id in s.scalars(query) if move(
-                s, self.store, lease_id, LeaseState.WARM, LeaseState.PENDING_CLEANUP,
-                "its command exited while it was warm", task_id, UNCLAIMED, {},
-                end_reason="pool_member_exited",
-                next_cleanup_at=now + timedelta(seconds=claim_s))]
+            retired = []
+            for lease_id, pool in s.execute(query).all():
+                if move(s, self.store, lease_id, LeaseState.WARM, LeaseState.PENDING_CLEANUP,
+                        "its command exited while it was warm", task_id, UNCLAIMED, {},
+                        end_reason="pool_member_exited",
+                        next_cleanup_at=now + timedelta(seconds=claim_s)):
+                    retired.append(lease_id)
+                    self._count_failure(s, pool, f"{WARM_EXIT} ({exits[lease_id]}): its "
+                                        "template must keep running until its run's data "
+                                        "arrives", policy, now)
+            return retired
 
 
 _DRAIN_REASONS = {

@@ -22,6 +22,7 @@ from models.pool_store import PoolStore
 from models.schema import LeaseState, RunStatus
 from models.store import RunChange
 from tasks.base import LeaseTask
+from tasks.pool_fill import breaker_policy
 from tasks.runs import finish
 from tasks.sweeping import Summary, SweepContext, Tally, list_providers, sweep_task
 from workers.app import app
@@ -72,7 +73,9 @@ def finish_exited(ctx: SweepContext) -> Tally:
                 exited[resource.lease_id] = _Exit(listing.provider, resource.exit_code,
                                                   resource.exit_reason)
     for lease_id in PoolStore(rt.store).retire_exited(
-            list(exited), rt.settings.claim_timeout_s, ctx.task_id, ctx.dry_run):
+            {lease_id: e.detail for lease_id, e in exited.items()},
+            rt.settings.claim_timeout_s, ctx.task_id, breaker_policy(rt.settings),
+            ctx.dry_run):
         if not ctx.dry_run:
             ctx.effects.destroy(lease_id, "pool member exited while warm")
         tally.add(ExitedOutcome.WARM_EXITED, lease_id, exited[lease_id].detail)

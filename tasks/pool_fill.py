@@ -211,7 +211,8 @@ def provision_member(rt: Runtime, lease_id: str, task_id: str | None, may_retry:
     result = (ProvisionResult.ADOPTED if acquired.outcome == AcquireOutcome.ADOPTED
               else ProvisionResult.WARM)
     if pools.member_ready(lease_id, lease.pool, acquired.backend, acquired.meta,
-                          f"ready ({acquired.outcome}): warm in pool {lease.pool}", task_id):
+                          f"ready ({acquired.outcome}): warm in pool {lease.pool}", task_id,
+                          breaker_policy(rt.settings)):
         return Provisioned(lease_id, result, LeaseState.WARM)
     # A sweep or a destroy took the member meanwhile: leave nothing we made behind.
     current = store.get_lease(lease_id)

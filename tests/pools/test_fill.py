@@ -365,6 +365,26 @@ def test_a_warm_member_whose_command_exited_is_drained_by_finish_exited(
     assert ended.state == LeaseState.DESTROYED and ended.end_reason == "pool_member_exited"
 
 
+def test_a_template_whose_command_exits_opens_the_breaker_instead_of_churning(
+        runtime_with: Callable[..., Runtime]) -> None:
+    # Before: each member became ready (closing the breaker), exited, was drained and
+    # replaced: 38 sandboxes in 3.5 minutes, the breaker closed and nothing said so.
+    from tasks.finish_exited import ExitedOutcome, finish_exited
+    from tasks.sweeping import SweepContext
+
+    rt = runtime_with(pools=[pool(size=1, template={"command": ["sh", "-c", "exit 4"]})])
+    effects = PoolRecorder(rt, inline=True, inline_provision=True)
+    for cycle in range(2):  # the threshold is 2
+        assert fill(rt, effects)["created"] == 1, cycle
+        eventually(lambda: any(r.exit_code == 4 for r in rt.provider("local").list_managed()),
+                   30, "the member's command to exit")
+        assert finish_exited(SweepContext(rt, effects))[ExitedOutcome.WARM_EXITED] == 1
+    opened = breaker(rt)
+    assert opened.consecutive_failures == 2 and opened.state(2, utcnow()) == BreakerState.OPEN
+    assert "command exited (exit code 4)" in (opened.last_error or "")
+    assert fill(rt, effects)["created"] == 0  # the churn stops
+
+
 def test_orphans_tracks_members_and_records_one_whose_rows_were_lost(
         rt: Runtime, effects: PoolRecorder) -> None:
     import json
