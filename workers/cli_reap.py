@@ -6,7 +6,8 @@ from typing import Annotated
 
 import typer
 
-from workers.cli_common import runtime
+from workers.cli_common import emit_json, runtime
+from workers.cli_leases import JsonOpt
 
 
 def register(cli: typer.Typer) -> None:
@@ -16,6 +17,7 @@ def register(cli: typer.Typer) -> None:
 def reap(
     dry_run: Annotated[bool, typer.Option(help="Only show what each sweep would do now")] = False,
     sweep: Annotated[list[str] | None, typer.Option(help="Only this sweep (repeatable)")] = None,
+    as_json: JsonOpt = False,
 ) -> None:
     """Run every sweep once, as a beat tick would; with --dry-run, change nothing."""
     from tasks.reap import SWEEPS, reap_once
@@ -24,7 +26,11 @@ def reap(
     if unknown:
         raise typer.BadParameter(f"unknown sweep(s) {', '.join(unknown)}; known: "
                                  f"{', '.join(SWEEPS)}", param_hint="--sweep")
-    for summary in reap_once(runtime(), dry_run, sweep):
+    summaries = reap_once(runtime(), dry_run, sweep)
+    if as_json:  # each sweep's summary as its tick logs it: counts, ids, how long it took
+        emit_json({"dry_run": dry_run, "sweeps": list(summaries)})
+        return
+    for summary in summaries:
         counts = {k: v for k, v in summary.items()
                   if k not in {"sweep", "run", "took_ms", "items"} and v}
         verb = "would do" if dry_run else "did"

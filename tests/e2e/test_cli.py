@@ -116,3 +116,17 @@ def test_the_operator_cli_on_a_live_stack(stack: WorkerStack) -> None:
     # exit codes: an unknown id is 4, one line.
     done = leasekeeper("leases", "show", "0000000000000000000000000000dead", env=stack.env)
     assert done.returncode == 4 and len(done.stderr.strip().splitlines()) == 1
+
+
+def test_reap_dry_run_prints_json(stack: WorkerStack) -> None:
+    from tasks.reap import SWEEPS
+
+    before = {lease.lease_id: lease.state for lease in stack.runtime().store.leases()}
+    shown = cli_json(stack, "reap", "--dry-run")
+    assert shown["dry_run"] is True
+    assert [s["sweep"] for s in shown["sweeps"]] == list(SWEEPS)
+    assert all(s["run"] in ("dry_run", "skipped") and "took_ms" in s for s in shown["sweeps"])
+    # and it changed nothing
+    assert {lease.lease_id: lease.state for lease in stack.runtime().store.leases()} == before
+    one = cli_json(stack, "reap", "--dry-run", "--sweep", "sweep.expire_leases")
+    assert [s["sweep"] for s in one["sweeps"]] == ["sweep.expire_leases"]
