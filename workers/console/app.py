@@ -4,7 +4,8 @@
                                     newest first, keyset pages (?before=<lease id>)
     GET  /leases/{id}               fields, run, whole history (task links to Flower)
     GET  /attention                 abandoned and pending_cleanup leases, their last error
-    GET  /leases/{id}/{action}      confirmation page for retry | forget | destroy
+    GET  /leases/{id}/{action}      confirmation page for retry | forget | destroy (409 if
+                                    the lease's state does not allow it)
     POST /leases/{id}/{action}      do it (CSRF token required), through tasks/operator.py
     GET  /sweeps                    the last ticks of each sweep with their summaries
 
@@ -14,6 +15,7 @@ specs are stored redacted and the page shows only env *names*.
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,12 +27,14 @@ from urllib.parse import urlencode
 import jinja2
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import QueryParams
 from starlette.middleware import Middleware
 from starlette.middleware.authentication import AuthenticationMiddleware
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
-from starlette.routing import Route
+from starlette.routing import Match, Route
 from starlette.templating import Jinja2Templates
+from starlette.types import Receive, Scope, Send
 
 from models.observe import LeaseFilter, Observe
 from models.schema import Lease, LeaseState, utcnow
@@ -39,6 +43,7 @@ from providers.errors import LeasekeeperError, NotFound
 from providers.spec import check_id
 from tasks.operator import OperatorAction, forget_abandoned, request_destroy, retry_abandoned
 from workers.beat import SWEEPS
+from workers.cli_common import MAX_DURATION_D
 from workers.console.auth import BasicAuth, Csrf, unauthorized
 from workers.settings import Settings
 
@@ -52,8 +57,16 @@ ACTIONS: dict[str, tuple[OperatorAction, ...]] = {
     LeaseState.WARM: (OperatorAction.DESTROY,),
     LeaseState.PROVISIONING: (OperatorAction.DESTROY,),
 }
+# The banner after an action (?done=<code>): only these texts, never text from the URL.
+DONE = {"retried": "queued for sweep.retry_cleanup",
+        "not_retried": "not retried: only abandoned leases retry",
+        "forgotten": "forgotten", "not_forgotten": "not forgotten: only abandoned leases",
+        "destroy_sent": "lease.destroy sent"}
 TICKS_SHOWN = 5
 _MAX_FILTER_LEN = 128
+_MAX_OLDER_MIN = MAX_DURATION_D * 1440  # 100 years, as the CLI's --older-than
+_MINUTES = re.compile(r"[0-9]+")
+_TASK_ID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 @dataclass
@@ -74,6 +87,10 @@ class CachedCount:
 
 class BadRequest(Exception):
     """A query or form value the console cannot use; the message says what to change."""
+
+
+class Conflict(Exception):
+    """An action the lease's state does not allow (the same rules as its buttons)."""
 
 
 def age(moment: datetime | None) -> str:
@@ -105,6 +122,10 @@ def safe_spec(spec: dict[str, Any] | None) -> dict[str, Any]:
 
 def parse_filter(request: Request) -> LeaseFilter:
     q = request.query_params
+    for key, text in q.multi_items():  # before any query (PostgreSQL refuses a NUL)
+        if not text.isprintable():
+            raise BadRequest(f"{key[:40]!r} must be printable text, without NUL or other "
+                             f"control characters; got {text[:40]!r}")
     state = q.get("state") or None
     if state is not None and state not in set(LeaseState):
         raise BadRequest(f"state must be one of {', '.join(LeaseState)}; got {state[:40]!r}")
@@ -113,8 +134,12 @@ def parse_filter(request: Request) -> LeaseFilter:
         if value is not None and len(value) > _MAX_FILTER_LEN:
             raise BadRequest(f"{name} is at most {_MAX_FILTER_LEN} characters")
     older = q.get("older_than_min") or None
-    if older is not None and not older.isdigit():
-        raise BadRequest(f"older_than_min must be a whole number of minutes; got {older[:20]!r}")
+    if older is not None and not _MINUTES.fullmatch(older):
+        raise BadRequest("older_than_min must be a whole number of minutes (digits 0-9); "
+                         f"got {older[:20]!r}")
+    if older is not None and (len(older) > 20 or int(older) > _MAX_OLDER_MIN):
+        raise BadRequest(f"older_than_min is at most {_MAX_OLDER_MIN} (100 years); "
+                         f"got {older[:20]}")
     return LeaseFilter(state, provider, tenant, int(older) * 60 if older else None)
 
 
@@ -132,6 +157,15 @@ def action_of(request: Request) -> OperatorAction:
     except ValueError:
         raise BadRequest(f"action must be one of {', '.join(OperatorAction)}; "
                          f"got {value[:20]!r}") from None
+
+
+def done_message(q: QueryParams) -> str:
+    """The banner for ?done=<code> (none for a code not in DONE); a destroy's task id is
+    shown only if it is a task id (a UUID)."""
+    code, task = q.get("done", ""), q.get("task", "")
+    if code == "destroy_sent" and _TASK_ID.fullmatch(task):
+        return f"{DONE[code]} (task {task})"
+    return DONE.get(code, "")
 
 
 def build_app(settings: Settings, store: Store, user: str, password: str,
@@ -183,7 +217,7 @@ def build_app(settings: Settings, store: Store, user: str, password: str,
         events = await run_in_threadpool(store.events, lease_id)
         return render(request, "lease.html", lease=row, run=run, events=events,
                       spec=safe_spec(row.spec), actions=ACTIONS.get(row.state, ()),
-                      done=request.query_params.get("done", "")[:200])
+                      done=done_message(request.query_params))
 
     async def attention(request: Request) -> Response:
         groups = {}
@@ -192,9 +226,18 @@ def build_app(settings: Settings, store: Store, user: str, password: str,
                 observe.lease_page, LeaseFilter(state=state), None, page_size)).rows
         return render(request, "attention.html", groups=groups, actions=ACTIONS)
 
+    async def allowed(lease_id: str, action: OperatorAction) -> Lease:
+        row: Lease = await run_in_threadpool(store.get_lease, lease_id)
+        if action not in ACTIONS.get(row.state, ()):
+            applies = [state for state, actions in ACTIONS.items() if action in actions]
+            raise Conflict(f"{action} does not apply to a {row.state} lease (only to "
+                           f"{', '.join(applies)} leases); open the lease page to see what "
+                           "does")
+        return row
+
     async def confirm(request: Request) -> Response:
         lease_id, action = lease_id_of(request), action_of(request)
-        row = await run_in_threadpool(store.get_lease, lease_id)
+        row = await allowed(lease_id, action)
         return render(request, "confirm.html", lease=row, action=action,
                       token=csrf.token(who(request), lease_id, action))
 
@@ -205,20 +248,20 @@ def build_app(settings: Settings, store: Store, user: str, password: str,
             return render(request, "error.html", 403, message=(
                 "this form is stale or did not come from the console (CSRF check "
                 "failed); open the lease page and confirm again"))
+        await allowed(lease_id, action)
         actor = f"operator {who(request)} (console)"
-        if action == OperatorAction.RETRY:
+        done: dict[str, str]
+        if action == OperatorAction.RETRY:  # the transition is guarded: it may lose a race
             ok = await run_in_threadpool(retry_abandoned, store, lease_id, actor)
-            done = ("queued for sweep.retry_cleanup" if ok
-                    else "not retried: only abandoned leases retry")
+            done = {"done": "retried" if ok else "not_retried"}
         elif action == OperatorAction.FORGET:
             ok = await run_in_threadpool(forget_abandoned, store, lease_id,
                                          "by operator", actor)
-            done = "forgotten" if ok else "not forgotten: only abandoned leases"
+            done = {"done": "forgotten" if ok else "not_forgotten"}
         else:
             task_id = await run_in_threadpool(destroy, lease_id, actor)
-            done = f"lease.destroy sent (task {task_id})"
-        return RedirectResponse(f"/leases/{lease_id}?{urlencode({'done': done})}",
-                                status_code=303)
+            done = {"done": "destroy_sent", "task": task_id}
+        return RedirectResponse(f"/leases/{lease_id}?{urlencode(done)}", status_code=303)
 
     async def sweeps(request: Request) -> Response:
         ticks = {}
@@ -228,6 +271,18 @@ def build_app(settings: Settings, store: Store, user: str, password: str,
 
     async def home(_request: Request) -> Response:
         return RedirectResponse("/leases", status_code=302)
+
+    async def without_slash(scope: Scope, receive: Receive, send: Send) -> None:
+        """/leases/ to /leases, as Starlette's own redirect, but by path alone: its Location
+        would name the request's Host header."""
+        path = str(scope["path"]).rstrip("/")
+        if scope["type"] == "http" and path and any(
+                route.matches({**scope, "path": path})[0] != Match.NONE for route in routes):
+            query = scope["query_string"].decode("latin-1")
+            response = RedirectResponse(path + (f"?{query}" if query else ""))
+            await response(scope, receive, send)
+        else:
+            await app.router.not_found(scope, receive, send)
 
     routes = [
         Route("/", home),
@@ -240,6 +295,9 @@ def build_app(settings: Settings, store: Store, user: str, password: str,
     ]
     middleware = [Middleware(AuthenticationMiddleware, backend=BasicAuth(user, password),
                              on_error=unauthorized)]
-    handlers = {BadRequest: failed(400), NotFound: failed(404), LeasekeeperError: failed(503)}
-    return Starlette(routes=routes, middleware=middleware,
-                     exception_handlers=handlers)  # type: ignore[arg-type]
+    handlers = {BadRequest: failed(400), NotFound: failed(404), Conflict: failed(409),
+                LeasekeeperError: failed(503)}
+    app = Starlette(routes=routes, middleware=middleware,
+                    exception_handlers=handlers)  # type: ignore[arg-type]
+    app.router.redirect_slashes, app.router.default = False, without_slash
+    return app
