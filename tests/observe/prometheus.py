@@ -1,6 +1,7 @@
 """A real Prometheus server (Debian's ``prometheus``) for tests: scrapes given targets every
-two seconds, evaluates deploy/prometheus/alerts.yml, and answers PromQL through its HTTP API.
-Started on a free loopback port with its own data dir; stopped by pid."""
+two seconds (or as asked), evaluates deploy/prometheus/alerts.yml, and answers PromQL
+through its HTTP API. Started on a free loopback port with its own data dir; stopped by
+pid."""
 
 from __future__ import annotations
 
@@ -84,11 +85,13 @@ def _wait_ready(prom: Prometheus, timeout_s: float = 60.0) -> None:
 
 
 @contextlib.contextmanager
-def running_prometheus(workdir: Path, targets: list[str]) -> Iterator[Prometheus]:
+def running_prometheus(workdir: Path, targets: list[str], scrape_s: int = 2
+                       ) -> Iterator[Prometheus]:
+    """Scraping ``targets`` every ``scrape_s`` seconds, each scrape given as long."""
     workdir.mkdir(parents=True, exist_ok=True)
     config = {
-        "global": {"scrape_interval": "2s", "evaluation_interval": "1s",
-                   "scrape_timeout": "2s"},
+        "global": {"scrape_interval": f"{scrape_s}s", "evaluation_interval": "1s",
+                   "scrape_timeout": f"{scrape_s}s"},
         "rule_files": [str(ALERTS)],
         "scrape_configs": [{"job_name": "leasekeeper",
                             "static_configs": [{"targets": targets}]}],

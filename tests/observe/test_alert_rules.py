@@ -13,7 +13,8 @@ from tests.observe.prometheus import ALERTS, binary
 
 TESTS = sorted((ALERTS.parent / "tests").glob("*.yml"))
 REQUIRED = {"LeaseAbandoned", "CleanupBacklogGrowing", "SweepStalled", "OrphansFound",
-            "AcquireFailureRateHigh", "AcquireLatencyHigh", "NoWorker", "PoolBreakerOpen"}
+            "AcquireFailureRateHigh", "AcquireLatencyHigh", "NoWorker", "PoolBreakerOpen",
+            "MetricsStoreUnreadable", "BrokerDown", "MetricsExporterDown"}
 
 
 def rules() -> dict[str, dict[str, Any]]:

@@ -2,6 +2,11 @@
 store's counts (gauges), tails the lease event log, the sweep tick log and the provider
 error log by id (counters and histograms), and pings the workers.
 
+A scrape always answers: the store's reads run in a thread of their own and are waited
+for at most ``STORE_READ_DEADLINE_S`` (a store that does not answer is
+``leasekeeper_store_up`` 0, not a hung scrape), and the pinger bounds the broker's part
+(``leasekeeper_broker_up``).
+
 Why from the store: every lease transition is one committed row of ``lease_events`` and
 every beat tick one row of ``sweep_ticks``, every provider error one row of
 ``provider_errors``, whichever worker or pool process made it, so
@@ -14,7 +19,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from datetime import datetime
 
 from prometheus_client import Counter, Histogram
@@ -54,7 +61,14 @@ REASON_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("no_pod", ("no backing pod",)),
 )
 
-Pinger = Callable[[float], int]  # timeout -> number of workers that answered
+# timeout -> number of workers that answered within it; None: the broker was not reached.
+# It returns within about the timeout, whatever the broker does (server.py).
+Pinger = Callable[[float], int | None]
+# How long a scrape waits for the store's reads (milliseconds, on a million leases: see
+# README). A server that stops answering holds a read for good (no statement or TCP timeout
+# ends it), so past this the scrape answers leasekeeper_store_up 0; the read goes on in its
+# thread, and every scrape until it ends answers store_up 0 at once (none starts another).
+STORE_READ_DEADLINE_S = 5.0
 
 
 def utc_timestamp(moment: datetime) -> float:
@@ -80,7 +94,9 @@ def rank_tenants(counts: Iterable[tuple[str, str, str, int]], top_n: int) -> set
 class LeaseCollector(Collector):
     def __init__(self, observe: Observe, settings: Settings, ping: Pinger) -> None:
         self.observe, self.settings, self.ping = observe, settings, ping
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # over _reading: one store read at a time
+        self._reading: Future[list[Metric]] | None = None
+        self._read_by = 0.0  # when the read in _reading is given up on (monotonic)
         self._events: IdTail | None = None
         self._ticks: IdTail | None = None
         self._errors: IdTail | None = None
@@ -92,7 +108,8 @@ class LeaseCollector(Collector):
             "leasekeeper_acquires", "Acquires ended, by outcome (active, failed, cancelled).",
             ["provider", "outcome"], registry=None)
         self.acquire_duration = Histogram(
-            "leasekeeper_acquire_duration_seconds", "Intent recorded to lease active.",
+            "leasekeeper_acquire_duration_seconds", "Intent recorded (a warm pool member: "
+            "claimed) to lease active.",
             ["provider", "backend"], buckets=_DURATION_BUCKETS_S, registry=None)
         self.destroys = Counter(
             "leasekeeper_destroys", "Destroy attempts ended, by outcome.",
@@ -146,30 +163,48 @@ class LeaseCollector(Collector):
 
     # -- scrape -----------------------------------------------------------------------
     def collect(self) -> Iterable[Metric]:
+        gauges = self._read_store()
+        yield GaugeMetricFamily("leasekeeper_store_up", "1 if the exporter could read the "
+                                "store.", value=0 if gauges is None else 1)
+        yield from gauges or []
+        seen = self.ping(self.settings.metrics_worker_ping_timeout_s)
+        yield GaugeMetricFamily("leasekeeper_broker_up", "1 if the exporter reached the "
+                                "broker at this scrape.", value=0 if seen is None else 1)
+        yield GaugeMetricFamily("leasekeeper_workers_up",
+                                "Workers that answered a ping at this scrape.", value=seen or 0)
+        intervals = GaugeMetricFamily("leasekeeper_sweep_interval_seconds",
+                                      "Each sweep's beat interval.", labels=["sweep"])
+        for sweep, field_name in SWEEPS.items():
+            intervals.add_metric([sweep], float(getattr(self.settings, field_name)))
+        yield intervals
+        for metric in self._derived:
+            yield from metric.collect()
+
+    def _read_store(self) -> list[Metric] | None:
+        """The store's gauges, with the logs tailed; None if the store failed, or did not
+        answer within STORE_READ_DEADLINE_S of the read's start (scrapes at the same time
+        share one read)."""
         with self._lock:
-            store_up = GaugeMetricFamily("leasekeeper_store_up",
-                                         "1 if the exporter could read the store.")
-            try:
-                gauges = list(self._store_gauges())
-                self._tail()
-                store_up.add_metric([], 1)
-            except LeasekeeperError as exc:
-                log.warning("metrics: store unreadable: %s", exc)
-                gauges = []
-                store_up.add_metric([], 0)
-            yield store_up
-            yield from gauges
-            workers = GaugeMetricFamily("leasekeeper_workers_up",
-                                        "Workers that answered a ping at this scrape.")
-            workers.add_metric([], self.ping(self.settings.metrics_worker_ping_timeout_s))
-            yield workers
-            intervals = GaugeMetricFamily("leasekeeper_sweep_interval_seconds",
-                                          "Each sweep's beat interval.", labels=["sweep"])
-            for sweep, field_name in SWEEPS.items():
-                intervals.add_metric([sweep], float(getattr(self.settings, field_name)))
-            yield intervals
-            for metric in self._derived:
-                yield from metric.collect()
+            if self._reading is None or self._reading.done():
+                self._reading, self._read_by = Future(), time.monotonic() + STORE_READ_DEADLINE_S
+                threading.Thread(target=self._read, args=(self._reading,), daemon=True,
+                                 name="metrics-store-read").start()
+            reading, read_by = self._reading, self._read_by
+        try:
+            return reading.result(timeout=max(read_by - time.monotonic(), 0.0))
+        except TimeoutError:
+            log.warning("metrics: the store did not answer within %g s", STORE_READ_DEADLINE_S)
+        except LeasekeeperError as exc:
+            log.warning("metrics: store unreadable: %s", exc)
+        return None
+
+    def _read(self, reading: Future[list[Metric]]) -> None:
+        try:
+            gauges = list(self._store_gauges())
+            self._tail()
+            reading.set_result(gauges)
+        except Exception as exc:  # the scrapes waiting for it report it
+            reading.set_exception(exc)
 
     def _store_gauges(self) -> Iterable[Metric]:
         counts = self.observe.lease_counts()
@@ -209,18 +244,20 @@ class LeaseCollector(Collector):
         yield from self._pool_gauges()
 
     def _pool_gauges(self) -> Iterable[Metric]:
-        """Every declared pool and every pool with a breaker row (one removed while its
-        members drain): members by state, size, breaker, fill failures."""
+        """Every declared pool, and every removed one while members of it exist (they
+        drain): members by state, size, breaker, fill failures."""
         pools = PoolStore(self.observe.store)
         breakers = pools.breakers()
         declared = {p.name: p for p in self.settings.pools}
-        names = sorted(set(declared) | set(breakers))
+        counted = pools.member_counts(sorted(set(declared) | set(breakers)))
+        names = [name for name, counts in counted.items()
+                 if name in declared or any(counts.values())]
         members = GaugeMetricFamily(
             "leasekeeper_pool_members", "Unclaimed warm pool members that exist, by state "
             "(provisioning, warm, pending_cleanup, destroying).", labels=["pool", "state"])
-        for name, counts in pools.member_counts(names).items():
+        for name in names:
             for state in MEMBER_STATES:
-                members.add_metric([name, state], counts[state])
+                members.add_metric([name, state], counted[name][state])
         yield members
         size = GaugeMetricFamily("leasekeeper_pool_size", "Each declared pool's size.",
                                  labels=["pool"])
@@ -287,9 +324,9 @@ class LeaseCollector(Collector):
             if e.from_state == LeaseState.PROVISIONING and e.to_state in _ACQUIRE_OUTCOME:
                 outcome = _ACQUIRE_OUTCOME[LeaseState(e.to_state)]
                 self.acquires.labels(e.provider, outcome).inc()
-                if outcome == "active":
+                if outcome == "active":  # a claimed member: since its claim, not its making
                     self.acquire_duration.labels(e.provider, backend).observe(
-                        max((e.at - e.created_at).total_seconds(), 0.0))
+                        max((e.at - (e.claimed_at or e.created_at)).total_seconds(), 0.0))
             if e.from_state == LeaseState.DESTROYING and e.to_state in _DESTROY_OUTCOME:
                 outcome = _DESTROY_OUTCOME[LeaseState(e.to_state)]
                 self.destroys.labels(e.provider, outcome).inc()

@@ -1,12 +1,16 @@
 """`leasekeeper metrics`: serve the exporter's /metrics (prometheus-client's own HTTP
-server) on LEASEKEEPER_METRICS_HOST:LEASEKEEPER_METRICS_PORT until SIGTERM or Ctrl-C."""
+server) on LEASEKEEPER_METRICS_HOST:LEASEKEEPER_METRICS_PORT until SIGTERM or Ctrl-C,
+reading the store through a Store of its own and pinging the workers over the broker,
+each bounded so that a scrape answers whatever they do."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import signal
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from kombu.exceptions import OperationalError
 from prometheus_client import CollectorRegistry, start_http_server
@@ -14,25 +18,46 @@ from redis import RedisError
 
 from models.observe import Observe
 from models.store import Store
-from workers.metrics.collector import LeaseCollector
+from workers.metrics.collector import LeaseCollector, Pinger
 from workers.preflight import cannot_listen
 from workers.settings import Settings
 
+log = logging.getLogger("leasekeeper.metrics")
 
-def celery_pinger() -> Callable[[float], int]:
+
+def celery_pinger() -> Pinger:
+    """A ping whose broker calls take about its timeout in all: the exporter's connection
+    tries once (kombu's retries took 6 s on a refused port) and gives up on a broker that
+    does not answer after the timeout (the app's socket timeout is 10 s), and the scrape
+    waits for the ping's thread no longer than the timeout, counting the replies so far."""
     from workers.app import app
 
-    def ping(timeout_s: float) -> int:
-        try:
-            return len(app.control.ping(timeout=timeout_s) or [])
-        except (OSError, OperationalError, RedisError):  # broker down: no worker seen
-            return 0
+    def ping(timeout_s: float) -> int | None:
+        reached = threading.Event()
+        replies: list[Any] = []
+
+        def run() -> None:
+            options = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
+                       "max_retries": 0}
+            try:
+                with app.connection_for_write(transport_options=options) as conn:
+                    conn.ensure_connection(max_retries=0)  # connected, and Redis answers
+                    reached.set()
+                    app.control.ping(timeout=timeout_s, connection=conn,
+                                     callback=replies.append)
+            except (OSError, OperationalError, RedisError) as exc:
+                log.warning("metrics: broker unreachable: %s", exc)
+
+        pinging = threading.Thread(target=run, name="metrics-ping", daemon=True)
+        pinging.start()
+        pinging.join(timeout_s)
+        return len(replies) if reached.is_set() else None
 
     return ping
 
 
 def build_registry(settings: Settings, store: Store,
-                   ping: Callable[[float], int] | None = None) -> CollectorRegistry:
+                   ping: Pinger | None = None) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(LeaseCollector(Observe(store), settings, ping or celery_pinger()))
     return registry
