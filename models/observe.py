@@ -64,6 +64,7 @@ class TailedEvent:
     reason: str
     pool: str | None = None  # the lease's warm pool (a member, or what its run asked for)
     claimed_at: datetime | None = None  # set: a member a run claimed
+    run_id: str | None = None  # the lease's run now (none: a pool member no run holds)
 
 
 @dataclass(frozen=True)
@@ -152,7 +153,7 @@ class Observe:
             rows = s.execute(
                 select(_E.c.id, _E.c.lease_id, _E.c.at, _E.c.from_state, _E.c.to_state,
                        _L.c.provider, _L.c.backend, _L.c.created_at, _E.c.reason,
-                       _L.c.pool, _L.c.claimed_at)
+                       _L.c.pool, _L.c.claimed_at, _L.c.run_id)
                 .select_from(_E.join(_L, _L.c.lease_id == _E.c.lease_id))
                 .where(_E.c.id >= first_id).order_by(_E.c.id).limit(limit))
             return [TailedEvent(*row) for row in rows]

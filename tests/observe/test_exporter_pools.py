@@ -5,7 +5,9 @@ over a real store (SQLite and PostgreSQL), real local sandboxes and the test Red
   made (its warm age is no acquire latency: AcquireLatencyHigh must not fire for it); a
   cold start still from its intent;
 - a pool removed from the settings keeps its series only while members of it exist: no
-  all-zero (or open-breaker) series for it forever.
+  all-zero (or open-breaker) series for it forever;
+- a member whose create failed is the pool's failure, not a failed acquire (no run asked
+  for it: AcquireFailureRateHigh must not fire for a failing pool).
 """
 
 from __future__ import annotations
@@ -136,3 +138,27 @@ def test_a_removed_pool_keeps_its_series_only_while_it_has_members(
     assert fill(gone, PoolRecorder(gone, inline=True))["removed"] == 1
     assert rt.store.leases([LeaseState.WARM]) == []
     assert pools_shown(exporter.scrape()) == [{"fresh"}] * 3
+
+
+def test_a_failed_member_create_is_no_failed_acquire(
+        runtimes: Callable[..., Runtime],
+        exporter_for: Callable[[list[dict[str, Any]]], Exporter]) -> None:
+    from tasks.acquire import acquire_lease
+
+    exporter = exporter_for([pool("broken", provider="faulty", size=2)])
+    assert exporter.scrape().value("leasekeeper_store_up") == 1  # counting from here
+    rt = runtimes(pools=[pool("broken", provider="faulty", size=2)])
+    FaultPlan(rt.settings.faults_file).write(  # type: ignore[arg-type]
+        {"acquire": [{"fault": "terminal", "times": 2}]})
+    fill(rt, PoolRecorder(rt, inline=True, inline_provision=True))
+    # and one run's own acquire that succeeds (the pool is empty: a cold start)
+    acquire_lease(rt, "run-cold", SandboxSpec(pool="broken"), None, False)
+
+    def counted() -> Samples | None:
+        samples = exporter.scrape()
+        return samples if samples.total("leasekeeper_acquires_total") == 1 else None
+
+    seen = eventually(counted, 60, "the run's acquire to be counted")
+    assert seen.value("leasekeeper_pool_fill_failures_total", pool="broken") == 2
+    assert seen.total("leasekeeper_acquires_total", outcome="failed") == 0
+    assert seen.total("leasekeeper_acquires_total", outcome="active") == 1

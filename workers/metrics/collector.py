@@ -321,7 +321,11 @@ class LeaseCollector(Collector):
             if (e.pool and e.from_state == LeaseState.PROVISIONING
                     and e.to_state == LeaseState.ACTIVE):
                 self.pool_claims.labels(e.pool, CLAIMED if e.claimed_at else FALLBACK).inc()
-            if e.from_state == LeaseState.PROVISIONING and e.to_state in _ACQUIRE_OUTCOME:
+            if (e.from_state == LeaseState.PROVISIONING and e.to_state in _ACQUIRE_OUTCOME
+                    and not (e.pool and e.run_id is None)):
+                # (a pool member no run holds failing, made by a fill or let go by a claim
+                # that went on to another member, is no run's acquire: the pool's breaker
+                # and fill failures count it)
                 outcome = _ACQUIRE_OUTCOME[LeaseState(e.to_state)]
                 self.acquires.labels(e.provider, outcome).inc()
                 if outcome == "active":  # a claimed member: since its claim, not its making
