@@ -142,6 +142,24 @@ class AcquireCleanupIncomplete(ProviderError):
         )
 
 
+def provider_bug(provider: str, call: str, name: str, exc: Exception
+                 ) -> TerminalProviderError:
+    """What a provider raised that is not a ProviderError (a bug, or a reply it could not
+    read), as the terminal error the lifecycle records; ``exc`` is its cause."""
+    wrapped = TerminalProviderError(
+        f"provider {provider} {call} of {name} raised {type(exc).__name__}: "
+        f"{str(exc)[:300]} (a provider bug, or a malformed reply)")
+    wrapped.__cause__ = exc
+    return wrapped
+
+
+def unknown_backend(provider: str, backend: str, has: str) -> TerminalProviderError:
+    """A spec's backend that a provider with one backend (``has``) does not have."""
+    return TerminalProviderError(
+        f"{provider}: unknown backend {backend[:40]!r}; the {provider} provider has one, "
+        f"{has!r} (leave backend unset)")
+
+
 def cause_of(exc: BaseException) -> str:
     """What went wrong, without what a retry would do about it (the caller says that)."""
     return exc.what_failed if isinstance(exc, DestroyIncomplete) else str(exc)

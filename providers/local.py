@@ -58,6 +58,7 @@ from providers.errors import (
     ProviderError,
     TerminalProviderError,
     TransientProviderError,
+    unknown_backend,
 )
 from providers.spec import SandboxSpec, echo
 
@@ -245,9 +246,7 @@ class LocalProvider:
         """One backend, ``process``; the command must exist: on the sandbox's PATH, or as
         a path to an executable."""
         if spec.backend not in (None, self.backend):
-            raise TerminalProviderError(
-                f"local: unknown backend {echo(spec.backend)}; the local provider has one, "
-                f"{self.backend!r} (leave backend unset)")
+            raise unknown_backend(self.name, spec.backend, self.backend)
         if not spec.command:
             return
         program = spec.command[0]

@@ -14,8 +14,8 @@ from providers.base import (
     ManagedResource,
     ResumeResult,
 )
-from providers.errors import TerminalProviderError
-from providers.spec import SandboxSpec, echo
+from providers.errors import unknown_backend
+from providers.spec import SandboxSpec
 
 
 class NoopProvider:
@@ -26,9 +26,7 @@ class NoopProvider:
 
     def check_spec(self, spec: SandboxSpec) -> None:
         if spec.backend not in (None, "none"):
-            raise TerminalProviderError(
-                f"noop: unknown backend {echo(spec.backend)}; the noop provider has one, "
-                "'none' (leave backend unset)")
+            raise unknown_backend(self.name, spec.backend, "none")
 
     def acquire(self, request: AcquireRequest) -> Acquired:
         return Acquired(AcquireOutcome.CREATED, "none", {})

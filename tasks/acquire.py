@@ -48,6 +48,7 @@ from providers.errors import (
     TerminalProviderError,
     TransientProviderError,
     is_transient,
+    provider_bug,
 )
 from providers.spec import SandboxSpec, check_id
 from tasks import pool_claim
@@ -278,10 +279,7 @@ def _provision(
     except Exception as exc:  # a provider bug must still end in a recorded state
         log.exception("lease %s: provider %s acquire raised %s", lease_id, provider.name,
                       type(exc).__name__)
-        wrapped = TerminalProviderError(
-            f"provider {provider.name} acquire of {request.name} raised "
-            f"{type(exc).__name__}: {str(exc)[:300]} (a provider bug, or a malformed reply)")
-        wrapped.__cause__ = exc
+        wrapped = provider_bug(provider.name, "acquire", request.name, exc)
         _cleanup_failed(rt, lease_id, wrapped, task_id)
         raise wrapped from exc
     now = utcnow()

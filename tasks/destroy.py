@@ -22,10 +22,10 @@ from providers.errors import (
     CleanupAbandoned,
     InvalidRequest,
     ProviderError,
-    TerminalProviderError,
     abandoned_advice,
     cause_of,
     is_transient,
+    provider_bug,
 )
 from tasks.base import LeaseTask
 from tasks.leases import handle, later
@@ -77,10 +77,7 @@ def destroy_lease(rt: Runtime, lease_id: str, reason: str, task_id: str | None) 
     except Exception as exc:  # a provider bug must still end in a recorded state
         log.exception("lease %s: provider %s destroy raised %s", lease_id, claimed.provider,
                       type(exc).__name__)
-        wrapped = TerminalProviderError(
-            f"provider {claimed.provider} destroy of {claimed.provider_lease_id} raised "
-            f"{type(exc).__name__}: {str(exc)[:300]} (a provider bug, or a malformed reply)")
-        wrapped.__cause__ = exc
+        wrapped = provider_bug(claimed.provider, "destroy", claimed.provider_lease_id, exc)
         return _record_failure(rt, claimed.lease_id, claimed.cleanup_attempts + 1, wrapped,
                                task_id)
     end_reason = claimed.end_reason or reason

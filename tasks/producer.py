@@ -94,17 +94,19 @@ def _broker_error(exc: BaseException) -> BaseException | None:
     return None
 
 
-def broker_unreachable(url: str, exc: BaseException) -> str:
-    """The one-line message for a broker that cannot be reached (no password shown)."""
+def broker_unreachable(url: str, exc: BaseException, sending: bool = True) -> str:
+    """The one-line message for a broker that cannot be reached (no password shown);
+    ``sending``: a send failed, and the message says nothing was sent."""
     from kombu.utils.url import maybe_sanitize_url
 
     where = f"the broker at {maybe_sanitize_url(url)} (LEASEKEEPER_BROKER_URL)"
+    unsent = "; nothing was sent." if sending else "."
     if isinstance(exc, redis.exceptions.InvalidResponse):  # an HTTP server, say
         return (f"{where} is not Redis: what answers there speaks another protocol "
-                f"({str(exc)[:80]}); nothing was sent. Point the URL at Redis, then retry")
+                f"({str(exc)[:80]}){unsent} Point the URL at Redis, then retry")
     reason = str(exc).split(". ")[-1].strip(". ") or type(exc).__name__
-    return (f"{where} is unreachable ({reason}); nothing was sent. Start Redis there or fix "
-            f"the URL, then retry")
+    return (f"{where} is unreachable ({reason}){unsent} Start Redis there or fix the URL, "
+            "then retry")
 
 
 def acquire_lease(run_id: str, spec: SandboxSpec | Mapping[str, Any] | None = None

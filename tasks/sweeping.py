@@ -99,9 +99,8 @@ def single_flight(rt: Runtime, sweep: str) -> Iterator[bool]:
     except redis.RedisError as exc:
         from tasks.producer import broker_unreachable  # the URL, its setting, the fix
 
-        reason = broker_unreachable(rt.settings.effective_broker_url, exc)
-        raise StoreUnavailable(f"Redis lock for {sweep} unavailable: "
-                               + reason.replace("; nothing was sent.", ".")) from None
+        reason = broker_unreachable(rt.settings.effective_broker_url, exc, sending=False)
+        raise StoreUnavailable(f"Redis lock for {sweep} unavailable: {reason}") from None
     try:
         yield acquired
     finally:

@@ -123,10 +123,9 @@ def resolve(lease_id: str) -> Lease:
     if matches:  # ambiguous: bad input (exit 2), not a lease that does not exist
         raise InvalidRequest(f"several leases' ids start with {lease_id[:64]!r} (e.g. "
                              f"{', '.join(matches)}): give more of the id")
-    else:
-        hint = "`leasekeeper leases list` shows the ids"
-        if len(lease_id) < MIN_PREFIX:
-            hint = f"a prefix needs at least {MIN_PREFIX} characters; {hint}"
+    hint = "`leasekeeper leases list` shows the ids"
+    if len(lease_id) < MIN_PREFIX:
+        hint = f"a prefix needs at least {MIN_PREFIX} characters; {hint}"
     raise NotFound(f"no lease {lease_id[:64]!r} in the store; {hint}")
 
 
@@ -275,7 +274,10 @@ def leases_forget(lease_id: str, reason: Annotated[str, typer.Option()] = "by op
 
 
 def _not_abandoned(lease_id: str, done: str) -> NoReturn:
-    """Refuse retry/forget (bad input, exit 2), naming the lease's state and what to do."""
+    """Refuse retry/forget: bad input (exit 2, by run_cli), naming the lease's state and
+    what to do."""
+    from providers.errors import InvalidRequest
+
     state = runtime().store.get_lease(lease_id).state
     if state in LIVE_STATES:
         hint = f"to end it, `leasekeeper leases destroy {lease_id}`"
@@ -284,5 +286,5 @@ def _not_abandoned(lease_id: str, done: str) -> NoReturn:
     else:
         hint = (f"its cleanup is under way; `leasekeeper leases show {lease_id}` shows each "
                 "attempt")
-    error_line(f"lease {lease_id} is {state}: only an abandoned lease can be {done}; {hint}")
-    raise typer.Exit(ExitCode.USAGE)
+    raise InvalidRequest(f"lease {lease_id} is {state}: only an abandoned lease can be "
+                         f"{done}; {hint}")

@@ -35,8 +35,7 @@ def check_broker(url: str, timeout_s: float = 2.0) -> None:
     try:
         client.ping()
     except redis.RedisError as exc:  # refused, silent, a password needed, or not Redis
-        raise BrokerUnavailable(broker_unreachable(url, exc)
-                                .replace("; nothing was sent.", ".")) from None
+        raise BrokerUnavailable(broker_unreachable(url, exc, sending=False)) from None
     finally:
         client.close()
 
@@ -92,12 +91,12 @@ def migrate(url: str, revision: str = "head") -> None:
 
 def unknown_revisions(url: str, current: set[str] | None = None) -> list[str]:
     """The store's migrations that this leasekeeper does not have (a newer one ran)."""
-    return sorted((_current_revisions(url) if current is None else current) - _known(url))
+    return sorted((_current_revisions(url) if current is None else current) - _known())
 
 
 def _newer_store(url: str, revisions: list[str]) -> str:
     return (f"the store {shown(url)} is at migration {', '.join(revisions)}, which this "
-            f"leasekeeper does not have (its latest is {', '.join(sorted(_heads(url)))}): a "
+            f"leasekeeper does not have (its latest is {', '.join(sorted(_heads()))}): a "
             "newer leasekeeper migrated it. Run that newer version against this store; "
             "never downgrade a store by hand")
 
@@ -124,7 +123,7 @@ def check_store(url: str) -> None:
     newer = unknown_revisions(url, current)
     if newer:
         raise ConfigError(_newer_store(url, newer))
-    heads = _heads(url)
+    heads = _heads()
     if not current:
         raise ConfigError(f"the store {shown(url)} has no schema (it was never migrated): "
                           f"{UPGRADE}")
@@ -144,11 +143,11 @@ def _script() -> Any:
     return ScriptDirectory(str(MIGRATIONS))
 
 
-def _heads(url: str) -> set[str]:
+def _heads() -> set[str]:
     return set(_script().get_heads())
 
 
-def _known(url: str) -> set[str]:
+def _known() -> set[str]:
     return {script.revision for script in _script().walk_revisions()}
 
 

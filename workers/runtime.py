@@ -22,7 +22,7 @@ from providers.errors import ConfigError, InvalidRequest
 from providers.faulty import FaultPlan, FaultyProvider
 from providers.local import LocalProvider
 from providers.noop import NoopProvider
-from workers.settings import Settings, get_settings
+from workers.settings import PROVIDER_NAMES, Settings, get_settings
 
 
 def _local(settings: Settings) -> Provider:
@@ -57,6 +57,9 @@ PROVIDER_FACTORIES: dict[str, Callable[[Settings], Provider]] = {
     "faulty": _faulty,
     "kubernetes": _kubernetes,
 }
+# The settings refuse any other name (LEASEKEEPER_PROVIDERS is checked at start-up).
+if set(PROVIDER_FACTORIES) != set(PROVIDER_NAMES):
+    raise RuntimeError("workers.settings.PROVIDER_NAMES and PROVIDER_FACTORIES disagree")
 
 
 @dataclass
@@ -75,12 +78,7 @@ class Runtime:
             )
         with self._lock:
             if name not in self._providers:
-                factory = PROVIDER_FACTORIES.get(name)
-                if factory is None:
-                    raise ConfigError(
-                        f"LEASEKEEPER_PROVIDERS names {name!r}, which leasekeeper does not "
-                        f"have; known: {', '.join(sorted(PROVIDER_FACTORIES))}"
-                    )
+                factory = PROVIDER_FACTORIES[name]  # the settings allow no other name
                 from workers.provider_errors import RecordingProvider
 
                 self._providers[name] = RecordingProvider(

@@ -31,15 +31,8 @@ _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?$")
 # Store URL schemes leasekeeper runs on (SQLAlchemy dialect names).
 STORE_SCHEMES = ("sqlite", "postgresql")
 BROKER_SCHEMES = ("redis", "rediss", "unix")
-# what runtime.PROVIDER_FACTORIES builds (tests check that the two agree)
+# what workers/runtime.py's PROVIDER_FACTORIES builds (its import checks the two agree)
 PROVIDER_NAMES = ("local", "kubernetes", "noop", "faulty")
-
-
-def redis_port(url: str) -> int | None:
-    """The port of a Redis URL (ValueError if it is not a number)."""
-    from urllib.parse import urlsplit
-
-    return urlsplit(url).port
 log = logging.getLogger("leasekeeper.settings")
 
 
@@ -228,8 +221,10 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"{scheme or value[:12]!r} is not a Redis URL; the broker is Redis: "
                 "redis://[:password@]host:6379/0, rediss:// (TLS) or unix:///path/redis.sock")
+        from urllib.parse import urlsplit
+
         try:
-            redis_port(value)
+            urlsplit(value).port  # noqa: B018  (parsed on access: a bad port fails here)
         except ValueError as exc:
             raise ValueError(f"not a Redis URL: {str(exc)[:120]}") from None
         return value
