@@ -148,6 +148,9 @@ class Resources(BaseModel):
         return self
 
 
+DEFAULT_TENANT = "default"
+
+
 class SandboxSpec(BaseModel):
     """What a run needs. Every field is optional; defaults come from settings."""
 
@@ -155,7 +158,7 @@ class SandboxSpec(BaseModel):
 
     provider: Name | None = None
     backend: Name | None = None
-    tenant: str = "default"
+    tenant: str = DEFAULT_TENANT
     thread_id: str | None = None
     sandbox_key: str | None = None
     reuse: bool = False
@@ -252,6 +255,9 @@ class SandboxSpec(BaseModel):
 
     def redacted(self) -> dict[str, Any]:
         """A JSON-safe copy where every secret value is replaced by ``***``."""
+        if self is DEFAULT_SPEC:  # most acquires: its dump, without pydantic's walk
+            return {"tenant": DEFAULT_TENANT, "reuse": False, "env": {}, "secret_env": {},
+                    "labels": {}}
         data = self.model_dump(mode="json", exclude_none=True)
         if self.secret_env:
             data["secret_env"] = dict.fromkeys(self.secret_env, REDACTED)
@@ -261,7 +267,23 @@ class SandboxSpec(BaseModel):
         """The JSON payload for a task message (secrets in clear: only for the broker): the
         fields that differ from their defaults, so a default spec is ``{}`` (the worker
         fills the defaults in; messages, task events and Flower's views stay small)."""
+        if self is DEFAULT_SPEC:
+            return {}
         data = self.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
         if self.secret_env:
             data["secret_env"] = self.secret_values()
         return data
+
+
+# The spec of an empty payload (``{}`` or none): the one most acquires send. Shared, never
+# rebuilt: the model is frozen and nothing changes its (empty) mappings.
+DEFAULT_SPEC = SandboxSpec()
+
+
+def parse_spec(spec: object) -> SandboxSpec:
+    """A payload's spec as a SandboxSpec (ValueError: what is wrong with it)."""
+    if isinstance(spec, SandboxSpec):
+        return spec
+    if spec is None or (type(spec) is dict and not spec):
+        return DEFAULT_SPEC
+    return SandboxSpec.model_validate(spec)

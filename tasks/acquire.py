@@ -50,7 +50,7 @@ from providers.errors import (
     is_transient,
     provider_bug,
 )
-from providers.spec import SandboxSpec, check_id
+from providers.spec import SandboxSpec, check_id, parse_spec
 from tasks import pool_claim
 from tasks.base import LeaseTask
 from tasks.destroy import destroy_lease
@@ -356,8 +356,7 @@ def parse_acquire(run_id: object, spec: object) -> tuple[str, SandboxSpec]:
     """Validate an acquire payload; InvalidRequest names every problem."""
     try:
         check_id("run_id", run_id)
-        parsed = spec if isinstance(spec, SandboxSpec) else SandboxSpec.model_validate(
-            {} if spec is None else spec)
+        parsed = parse_spec(spec)
     except ValueError as exc:
         raise InvalidRequest(f"invalid lease.acquire payload: {_safe(exc)}") from None
     assert isinstance(run_id, str)

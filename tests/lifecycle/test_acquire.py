@@ -18,7 +18,7 @@ from providers.errors import (
     TransientProviderError,
 )
 from providers.faulty import FaultPlan
-from providers.spec import SandboxSpec, quantity_value
+from providers.spec import DEFAULT_SPEC, SandboxSpec, quantity_value
 from tasks.acquire import AcquireResult, acquire_lease, parse_acquire
 from tasks.leases import handle
 from tasks.redaction import scrub_text
@@ -202,6 +202,23 @@ def test_malformed_payloads_are_clear_and_leak_nothing(run_id: str, spec: dict[s
     assert "12345" not in str(err.value)
     # and the worker's scrubbing of every error (for secrets) leaves the reason readable
     assert scrub_text(str(err.value)) == str(err.value)
+
+
+def test_an_empty_spec_is_the_default_spec_and_stays_so(rt: Runtime) -> None:
+    # An empty payload's spec is one shared instance (no validation per acquire): it
+    # must read as a fresh default spec does, and no acquire may change it.
+    fresh = SandboxSpec()
+    for empty in (None, {}):
+        assert parse_acquire("r", empty)[1] is DEFAULT_SPEC
+    assert DEFAULT_SPEC.redacted() == fresh.model_dump(mode="json", exclude_none=True)
+    assert DEFAULT_SPEC.to_payload() == {}
+    assert DEFAULT_SPEC.redacted() is not DEFAULT_SPEC.redacted()  # each caller its own
+    for bad in ([], "", 0):
+        with pytest.raises(InvalidRequest, match=r"invalid lease\.acquire payload"):
+            parse_acquire("r", bad)
+    done = acquire_lease(rt, "run-1", parse_acquire("run-1", {})[1], None, may_retry=False)
+    assert rt.store.get_lease(done.lease_id).spec == fresh.redacted()
+    assert fresh == DEFAULT_SPEC and DEFAULT_SPEC.model_dump() == fresh.model_dump()
 
 
 def test_kubernetes_label_keys_with_a_prefix_are_accepted() -> None:
