@@ -562,9 +562,10 @@ class Store:
         return Lease(**row._mapping)
 
     def start_run_with_intent(self, run_id: str, new: NewLease,
-                              task_id: str | None) -> LeaseRecord | None:
+                              task_id: str | None) -> bool:
         """A new run and its lease intent in one transaction (one statement on
-        PostgreSQL): the common acquire. None, with nothing written, if the run already
+        PostgreSQL): the common acquire. True if written, as ``new`` says (provisioning,
+        version 1, no provider meta yet); False, with nothing written, if the run already
         exists (the caller takes the general path); LiveLeaseExists if the key has a live
         lease (nothing written either: not even the run)."""
         if new.run_id != run_id:
@@ -579,23 +580,11 @@ class Store:
                   "pool": new.pool}
         try:
             with self.raw_tx() as cur:
-                if not self.raw.start_run_with_intent(
-                        cur, intent, f"intent recorded for run {run_id}", task_id, now):
-                    return None
+                return self.raw.start_run_with_intent(
+                    cur, intent, f"intent recorded for run {run_id}", task_id, now)
         except self.dbapi.IntegrityError:
             raise LiveLeaseExists(
                 f"sandbox key {new.sandbox_key!r} already has a live lease") from None
-        # what the statement wrote (models/rawsql.py: a new intent's constants)
-        return LeaseRecord(
-            lease_id=new.lease_id, sandbox_key=new.sandbox_key, live_key=new.sandbox_key,
-            provider=new.provider, provider_lease_id=new.provider_lease_id, backend=None,
-            provider_meta={}, state=LeaseState.PROVISIONING.value, reuse=new.reuse,
-            tenant=new.tenant, thread_id=new.thread_id, run_id=run_id, spec=new.spec,
-            created_at=now, updated_at=now, ready_at=None,
-            acquire_deadline_at=new.acquire_deadline_at, deadline_at=new.deadline_at,
-            idle_timeout_s=new.idle_timeout_s, idle_deadline_at=None, cleanup_attempts=0,
-            next_cleanup_at=None, end_reason=None, last_error=None, version=1,
-            pool=new.pool, claimed_at=None, prev_state=None)
 
     def transition(
         self,

@@ -108,9 +108,8 @@ def acquire_lease(
         # The common case, a new run's own sandbox: run row and intent in one transaction.
         # A run that exists already, or a key that is taken, takes the general path below.
         with contextlib.suppress(LiveLeaseExists):
-            fresh = store.start_run_with_intent(
-                run_id, _new_lease(rt, provider, spec, key, run_id), task_id)
-            if fresh is not None:
+            fresh = _new_lease(rt, provider, spec, key, run_id)
+            if store.start_run_with_intent(run_id, fresh, task_id):
                 return _provision(rt, provider, fresh, run_id, spec, task_id, may_retry)
     run = store.start_run(run_id, spec.thread_id, provider_name, key)
     if run.status != RunStatus.RUNNING:
@@ -253,7 +252,7 @@ def _deliver_claim(
 
 
 def _provision(
-    rt: Runtime, provider: Provider, lease: AnyLease, run_id: str, spec: SandboxSpec,
+    rt: Runtime, provider: Provider, lease: AnyLease | NewLease, run_id: str, spec: SandboxSpec,
     task_id: str | None, may_retry: bool,
 ) -> Acquisition:
     store = rt.store

@@ -54,23 +54,25 @@ def test_a_lease_record_has_every_lease_column_in_order() -> None:
 
 def test_a_new_run_and_its_intent_are_written_together(store: Store) -> None:
     # when a new run gets its intent
-    made = store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), "task-1")
+    new = new_lease("l1", "k1", "run-1")
+    assert store.start_run_with_intent("run-1", new, "task-1") is True
     # then both exist, bound, with the intent's event
-    assert made is not None and made.state == LeaseState.PROVISIONING
     lease, run = store.get_lease("l1"), store.get_run("run-1")
     assert run is not None and run.lease_id == "l1" and run.status == RunStatus.RUNNING
     assert lease.spec == {"tenant": "acme", "labels": {"team": "a"}} and lease.live_key == "k1"
     assert lease.provider_meta == {} and lease.reuse is False and lease.version == 1
     assert [(e.from_state, e.to_state, e.task_id) for e in store.events("l1")] == [
         (None, LeaseState.PROVISIONING, "task-1")]
-    # the record it returned is what the store holds
-    assert made == LeaseRecord(**{c.name: getattr(lease, c.name) for c in Lease.__table__.c})
+    # the intent is what the store holds (the acquire goes on with it, reading nothing)
+    assert lease.state == LeaseState.PROVISIONING and lease.prev_state is None
+    for field in fields(new):
+        assert getattr(lease, field.name) == getattr(new, field.name), field.name
 
 
 def test_an_existing_run_writes_nothing_and_a_taken_key_writes_nothing(store: Store) -> None:
     store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), None)
     # an existing run: nothing written, the caller takes the general path
-    assert store.start_run_with_intent("run-1", new_lease("l2", "k2", "run-1"), None) is None
+    assert store.start_run_with_intent("run-1", new_lease("l2", "k2", "run-1"), None) is False
     with pytest.raises(NotFound):
         store.get_lease("l2")
     # a key with a live lease: refused, and not even the new run is left behind
