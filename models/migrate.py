@@ -1,13 +1,29 @@
-"""Apply the Alembic migrations in models/migrations to a store URL."""
+"""Apply the Alembic migrations in models/migrations to a store URL.
+
+One migration at a time per store: several upgrades started together (replicas' init
+containers, a retried deploy job, two operators) each wait for the one migrating, then
+find the store where it left it and go on from there (usually: nothing to do). On
+PostgreSQL the migration's connection holds a session advisory lock (models/migrations/
+env.py); on SQLite the upgrade holds an exclusive ``flock`` on the database file itself
+(SQLite's own locks are POSIX record locks, which ``flock`` does not touch).
+"""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+from collections.abc import Iterator
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from sqlalchemy import make_url
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
+
+# The key of the PostgreSQL advisory lock migrations take (any fixed bigint: this one is
+# "leasekeeper" in ASCII, cut to 8 bytes)
+ADVISORY_LOCK_KEY = int.from_bytes(b"leasekee", "big") >> 1
 
 
 def alembic_config(url: str) -> Config:
@@ -17,11 +33,34 @@ def alembic_config(url: str) -> Config:
     return config
 
 
+def _sqlite_file(url: str) -> Path | None:
+    parsed = make_url(url)
+    if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
+        return None
+    return Path(str(parsed.database))
+
+
+@contextlib.contextmanager
+def _one_at_a_time(url: str) -> Iterator[None]:
+    """On SQLite, the other upgrades of this file wait until this one is done."""
+    path = _sqlite_file(url)
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "ab") as held:  # SQLite takes an empty file for an empty database
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 def upgrade(url: str, revision: str = "head") -> None:
-    if url.startswith("sqlite:///"):
-        Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
-    command.upgrade(alembic_config(url), revision)
+    with _one_at_a_time(url):
+        command.upgrade(alembic_config(url), revision)
 
 
 def downgrade(url: str, revision: str) -> None:
-    command.downgrade(alembic_config(url), revision)
+    with _one_at_a_time(url):
+        command.downgrade(alembic_config(url), revision)

@@ -137,6 +137,16 @@ def _warn_unknown_settings(**_: Any) -> None:
 
 
 @worker_init.connect
+@beat_init.connect
+def _refuse_a_store_not_at_head(**_: Any) -> None:
+    # A store with no schema, or an older one: exit (code 2) saying what to run, instead
+    # of failing every task and sweep (workers/preflight.py).
+    from workers.preflight import refuse_a_store_not_at_head
+
+    refuse_a_store_not_at_head()
+
+
+@worker_init.connect
 def _import_providers_before_fork(**_: Any) -> None:
     # In the worker's main process, before the pool forks: see PROVIDER_MODULES.
     from workers.runtime import import_provider_modules

@@ -27,6 +27,10 @@ from providers.errors import BrokerUnavailable, ConfigError, StoreUnavailable
 UPGRADE = "run `leasekeeper db upgrade` (with the same LEASEKEEPER_STORE_URL)"
 
 
+class NewerStore(ConfigError):
+    """The store is at a migration this leasekeeper does not have: a newer one ran."""
+
+
 def check_broker(url: str, timeout_s: float = 2.0) -> None:
     from tasks.producer import broker_unreachable
 
@@ -83,7 +87,7 @@ def migrate(url: str, revision: str = "head") -> None:
     except CommandError as exc:
         newer = unknown_revisions(url)
         if newer:
-            raise ConfigError(_newer_store(url, newer)) from None
+            raise NewerStore(_newer_store(url, newer)) from None
         raise ConfigError(
             f"cannot migrate the store {shown(url)} to {revision!r}: {exc}; leave "
             "--revision out to upgrade to the latest migration") from None
@@ -122,7 +126,7 @@ def check_store(url: str) -> None:
     current = _current_revisions(url)
     newer = unknown_revisions(url, current)
     if newer:
-        raise ConfigError(_newer_store(url, newer))
+        raise NewerStore(_newer_store(url, newer))
     heads = _heads()
     if not current:
         raise ConfigError(f"the store {shown(url)} has no schema (it was never migrated): "
@@ -131,6 +135,32 @@ def check_store(url: str) -> None:
         raise ConfigError(f"the store {shown(url)} is at migration "
                           f"{', '.join(sorted(current))}, this leasekeeper needs "
                           f"{', '.join(sorted(heads))}: {UPGRADE}")
+
+
+def refuse_a_store_not_at_head(**_: Any) -> None:
+    """``worker_init`` and ``beat_init`` (connected in workers/app.py): a worker or beat
+    whose store has no schema, or an older one than this leasekeeper's, exits at once
+    (code 2) saying what to run, instead of failing every task and sweep while it runs
+    (``relation "runs" does not exist``). A store that does not answer yet is no reason
+    to refuse (tasks retry until it does), nor one a newer leasekeeper migrated (during a
+    rolling upgrade the old workers still run on it): both are logged."""
+    import logging
+    import sys
+
+    from workers.settings import get_settings
+
+    process = "beat" if "beat" in sys.argv else "worker"
+    log = logging.getLogger("leasekeeper.preflight")
+    try:
+        check_store(get_settings().effective_store_url)
+    except StoreUnavailable as exc:
+        log.warning("%s; the %s starts anyway (its tasks retry until the store answers)",
+                    exc, process)
+    except NewerStore as exc:
+        log.warning("%s (this %s starts anyway)", exc, process)
+    except ConfigError as exc:
+        log.critical("leasekeeper %s not started: %s", process, exc)
+        sys.exit(2)
 
 
 @functools.cache
@@ -194,6 +224,17 @@ _WRONG_SETTING = (("does not exist", "create it, or fix the URL"),
                   ("no password supplied", "put the password in the URL"),
                   ("no pg_hba.conf entry", "allow this host in the server's pg_hba.conf"))
 
+# What PostgreSQL says when the server answers but may not do what was asked (SQLSTATE):
+# a setting to fix, not a store to wait for. A failed migration changes nothing on
+# PostgreSQL (its DDL is one transaction).
+_NOT_ALLOWED = {
+    "25006": "this server or database is read-only (a replica, or "
+             "default_transaction_read_only=on); point LEASEKEEPER_STORE_URL at the primary",
+    "42501": "the user {user} lacks a right this needs; run it as the owner of the store's "
+             "tables (the user that ran `leasekeeper db upgrade` first), or grant {user} "
+             "that right",
+}
+
 
 def store_error(url: str, exc: SQLAlchemyError, doing: str) -> ConfigError | StoreUnavailable:
     """A store error at the command line, in one line: a wrong database, user or password
@@ -208,5 +249,11 @@ def store_error(url: str, exc: SQLAlchemyError, doing: str) -> ConfigError | Sto
                 return ConfigError(f"{doing} the store {shown(url)}: the server says "
                                    f"{fatal[:200]!r}: {fix} (LEASEKEEPER_STORE_URL)")
     first = text.splitlines()[0][:200] if text else ""
+    sqlstate = getattr(orig, "sqlstate", None)
+    if sqlstate in _NOT_ALLOWED:
+        who = make_url(url).username or "the URL's user"
+        return ConfigError(f"{doing} the store {shown(url)}: the server says {first!r}: "
+                           f"{_NOT_ALLOWED[sqlstate].format(user=who)} "
+                           "(LEASEKEEPER_STORE_URL); nothing was changed")
     return StoreUnavailable(f"{doing} the store {shown(url)} (LEASEKEEPER_STORE_URL): "
                             f"{type(orig).__name__}: {first}")

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import engine_from_config, pool
+from sqlalchemy import engine_from_config, pool, text
 
+from models.migrate import ADVISORY_LOCK_KEY
 from models.schema import Base
 from models.store import pg_connect_args
 
@@ -27,6 +28,13 @@ def run_migrations_online() -> None:
         connect_args=pg_connect_args(url, MIGRATION_USER_TIMEOUT_MS),
     )
     with connectable.connect() as connection:
+        if connection.dialect.name == "postgresql":
+            # One migration at a time (models/migrate.py): wait for any other to finish,
+            # then read the revision it left. A session lock, held until this connection
+            # closes (after the migrations' own transaction commits).
+            connection.execute(text("SELECT pg_advisory_lock(:key)"),
+                               {"key": ADVISORY_LOCK_KEY})
+            connection.commit()
         context.configure(
             connection=connection,
             target_metadata=Base.metadata,
