@@ -49,7 +49,13 @@ from models.schema import (
     RunStatus,
     utcnow,
 )
-from providers.errors import InvalidRequest, NotFound, StoreError, StoreUnavailable
+from providers.errors import (
+    InvalidRequest,
+    NotFound,
+    StoreError,
+    StoreUnavailable,
+    TransientProviderError,
+)
 
 _LEASES = cast(Table, Lease.__table__)
 _EVENTS = cast(Table, LeaseEvent.__table__)
@@ -462,11 +468,26 @@ class Store:
         return run
 
     def bind_run(self, run_id: str, lease_id: str, sandbox_key: str) -> None:
+        """Bind a running run to an active lease (a reuse), both or neither: a run that
+        ended meanwhile (its run.finish came first) is not given a sandbox it would hold
+        the lease's run_id on; a lease that ended meanwhile is not handed to a run."""
         with self.tx() as s:
-            s.execute(update(Run).where(Run.run_id == run_id)
-                      .values(lease_id=lease_id, sandbox_key=sandbox_key))
-            s.execute(update(Lease).where(Lease.lease_id == lease_id)
-                      .values(run_id=run_id, updated_at=utcnow()))
+            bound = s.execute(update(Run).where(Run.run_id == run_id,
+                                                Run.status == RunStatus.RUNNING)
+                              .values(lease_id=lease_id, sandbox_key=sandbox_key))
+            if _rowcount(bound) != 1:
+                run = s.get(Run, run_id)
+                if run is None:
+                    raise NotFound(f"no run {run_id!r}; acquire a lease for it first")
+                raise InvalidRequest(f"run {run_id} is {run.status}; start a new run to get "
+                                     "a sandbox")
+            moved = s.execute(update(Lease).where(Lease.lease_id == lease_id,
+                                                  Lease.state == LeaseState.ACTIVE)
+                              .values(run_id=run_id, updated_at=utcnow()))
+            if _rowcount(moved) != 1:  # rolls the run's bind back too
+                raise TransientProviderError(
+                    f"lease {lease_id} ended while run {run_id} was being bound to it; "
+                    "retrying, to reuse the thread's live sandbox or acquire a fresh one")
 
     def finish_run(
         self, run_id: str, status: RunStatus, exit_code: int | None, error: str | None,

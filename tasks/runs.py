@@ -9,6 +9,7 @@ deadline; nothing else does (background traffic inside a sandbox never keeps it 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from models.schema import RunStatus
@@ -18,6 +19,7 @@ from providers.spec import check_id
 from tasks.base import LeaseTask
 from tasks.leases import later
 from tasks.reclaim import reclaim
+from tasks.redaction import scrub_text
 from workers.app import app
 from workers.runtime import Runtime
 
@@ -26,6 +28,27 @@ from workers.runtime import Runtime
 EXIT_CODE_MIN, EXIT_CODE_MAX = -(2**31), 2**31 - 1
 FINISH_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.ABORTED,
                              RunStatus.INTERRUPTED})
+# What a run keeps of the error its finish reports (the cut is said in the text)
+ERROR_MAX_CHARS = 2000
+REPLACEMENT = "\N{REPLACEMENT CHARACTER}"
+# What no store can hold (PostgreSQL text has no NUL; UTF-8 has no lone surrogate, which
+# JSON's "\ud800" decodes to), and control characters a log or terminal would act on;
+# newline, tab and carriage return stay.
+_UNSTORABLE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
+
+
+def clean_error(error: str | None) -> str | None:
+    """The error text a run records: every secret this process knows of and every
+    ``secret_env`` dump scrubbed (tasks/redaction.py), before the cut, so no part of a
+    secret the cut would split survives; characters no store holds replaced by U+FFFD;
+    at most ERROR_MAX_CHARS, the cut said at its end."""
+    if error is None:
+        return None
+    text = _UNSTORABLE.sub(REPLACEMENT, scrub_text(error))
+    if len(text) <= ERROR_MAX_CHARS:
+        return text
+    note = f"... [{len(text)} characters; the rest cut]"
+    return text[:ERROR_MAX_CHARS - len(note)] + note
 
 
 def parse_finish(run_id: object, status: object, exit_code: object, error: object = None
@@ -54,7 +77,9 @@ def parse_finish(run_id: object, status: object, exit_code: object, error: objec
 def finish(
     rt: Runtime, run_id: str, status: RunStatus, exit_code: int | None, error: str | None
 ) -> tuple[RunChange, bool]:
-    """Finish the run; return whether it changed and whether a reclaim is now due."""
+    """Finish the run; return whether it changed and whether a reclaim is now due. The
+    error is recorded as :func:`clean_error` makes it (it may come from any caller)."""
+    error = clean_error(error)
     run = rt.store.get_run(run_id)
     lease = rt.store.find_lease(run.lease_id) if run and run.lease_id else None
     reclaim_due = status != RunStatus.INTERRUPTED and not (lease is not None and lease.reuse)
@@ -67,7 +92,6 @@ def finish(
 def finish_run(self: LeaseTask, run_id: str, status: str, exit_code: int | None = None,
                error: str | None = None) -> dict[str, Any]:
     run_id, parsed = parse_finish(run_id, status, exit_code, error)
-    error = None if error is None else error[:2000]
     with self.retrying():
         change, reclaim_now = finish(self.runtime, run_id, parsed, exit_code, error)
     if reclaim_now:
