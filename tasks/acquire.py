@@ -56,6 +56,7 @@ from tasks.base import LeaseTask
 from tasks.destroy import destroy_lease
 from tasks.leases import handle, later, new_lease_id, sandbox_key
 from tasks.redaction import scrub_text
+from tasks.runs import clean_error
 from workers.app import app
 from workers.pool_settings import resolve_spec
 from workers.runtime import Runtime
@@ -181,8 +182,8 @@ def _try_reuse(
         # The seed's provider gate, first: another provider's resume check or destroy of
         # this lease could only fail, or hit a stranger. Refuse; touch nothing of it.
         refused = ProviderMismatch.of(key, live.lease_id, live.provider, provider.name)
-        rt.store.finish_run(run_id, RunStatus.FAILED, None, str(refused), reclaim_due=False,
-                            claim_until=None)
+        rt.store.finish_run(run_id, RunStatus.FAILED, None, clean_error(str(refused)),
+                            reclaim_due=False, claim_until=None)
         log.warning("acquire: run %s refused: %s", run_id, refused)
         raise refused
     if live.state == LeaseState.PROVISIONING:
@@ -336,7 +337,8 @@ def _cleanup_failed(rt: Runtime, lease_id: str, cause: ProviderError, task_id: s
                         last_error=str(cause), next_cleanup_at=utcnow())
     lease = rt.store.get_lease(lease_id)
     if lease.run_id:
-        rt.store.finish_run(lease.run_id, RunStatus.FAILED, None, f"acquire failed: {cause}",
+        rt.store.finish_run(lease.run_id, RunStatus.FAILED, None,
+                            clean_error(f"acquire failed: {cause}"),
                             reclaim_due=False, claim_until=None)
     done = destroy_lease(rt, lease_id, "acquire failed", task_id)
     if done.error is not None:

@@ -26,9 +26,9 @@ from tasks.destroy import destroy
 from tasks.reclaim import reclaim
 from tasks.resume import resume_check
 from tasks.runs import attach_run as _attach
+from tasks.runs import clean_error, parse_finish
 from tasks.runs import detach_run as _detach
 from tasks.runs import finish_run as _finish
-from tasks.runs import parse_finish
 from tasks.runs import touch_lease as _touch
 from workers.pool_settings import resolve_spec
 from workers.settings import get_settings
@@ -140,8 +140,9 @@ def destroy_lease(lease_id: str, reason: str = "requested") -> AsyncResult:
 def finish_run(run_id: str, status: str, exit_code: int | None = None,
                error: str | None = None) -> AsyncResult:
     run_id, parsed = parse_finish(run_id, status, exit_code, error)
+    # as the run will record it (bounded: a huge error would fail the payload check)
     return _send(_finish, {"run_id": run_id, "status": parsed.value,
-                                       "exit_code": exit_code, "error": error})
+                           "exit_code": exit_code, "error": clean_error(error)})
 
 
 def detach_run(run_id: str) -> AsyncResult:

@@ -243,6 +243,22 @@ def test_an_error_no_store_can_hold_still_finishes_the_run(
     truthful(rt, run_id, lease_id)
 
 
+def test_a_huge_error_through_the_producer_still_finishes_the_run(stack: WorkerStack) -> None:
+    # Before: the producer sent the whole error; over the payload limit the worker refused
+    # the message (InvalidRequest) and the run stayed running. Now it sends what the run
+    # would keep anyway.
+    rt = stack.runtime()
+    run_id, lease_id = acquire()
+    huge = "Traceback (most recent call last):\n" + "  frame\n" * 40_000
+    assert len(huge.encode()) > rt.settings.max_payload_bytes
+    done = producer.finish_run(run_id, "failed", 1, huge).get(60)
+    assert done["change"] == "changed"
+    run = reclaimed(rt, run_id)
+    assert run.status == RunStatus.FAILED and run.error is not None
+    assert run.error.startswith("Traceback") and run.error.endswith("characters; the rest cut]")
+    truthful(rt, run_id, lease_id)
+
+
 # -- no secret in a run's error ----------------------------------------------------------
 SECRET = "tok-" + uuid.uuid4().hex
 
