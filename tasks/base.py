@@ -9,8 +9,9 @@ Retry policy (the README has it as a table): errors in ``providers.errors.TRANSI
 are retried with exponential backoff and full jitter (Celery's own backoff function),
 capped at ``retry_backoff_max_s``, at most ``task_max_retries`` times; anything else fails
 at once with its reason. Secrets in task arguments never reach Flower, events or logs:
-``apply_async`` (also used by ``retry``) always sends redacted ``argsrepr``/``kwargsrepr``,
-and the worker redacts whatever a client sent (tasks/redaction.py).
+every message leasekeeper's app builds (``apply_async``, ``retry``, and ``send_task`` by
+name: workers/app.py) carries redacted ``argsrepr``/``kwargsrepr`` (its task-sent event
+too), and the worker redacts whatever a client sent (tasks/redaction.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from providers.errors import InvalidRequest, LeasekeeperError, is_transient
 from providers.spec import check_id, echo
 from tasks.redaction import (
     RedactingRequest,
-    bounded_repr,
     redact,
     remember,
     scrub_exception,
@@ -100,11 +100,6 @@ class LeaseTask(Task):  # type: ignore[misc]
         except Exception as exc:
             scrub_exception(exc)  # value-scan: a secret echoed by anything below
             raise
-
-    def apply_async(self, args: Any = None, kwargs: Any = None, **options: Any) -> Any:
-        options.setdefault("argsrepr", bounded_repr(list(args or ())))
-        options.setdefault("kwargsrepr", bounded_repr(dict(kwargs or {})))
-        return super().apply_async(args, kwargs, **options)
 
     @property
     def runtime(self) -> Runtime:

@@ -10,6 +10,10 @@ task events (Flower), ``celery inspect`` answers and log lines. So the worker re
 - ``RedactingConsumer`` (the worker's consumer) hands Celery a redacted copy of a message
   whose task name is unknown (or that is invalid or undecodable), so the body and headers
   Celery logs about it are redacted by field, and the name it echoes is cut short;
+- ``redact_sent_messages`` (on leasekeeper's app, workers/app.py: in every process)
+  builds the reprs of every task message that process sends, by name too
+  (``app.send_task``): the task-sent event (Flower shows it until a worker's task-received
+  event replaces it, and for ever when no worker knows the name) never carries a secret;
 - ``RedactingFilter`` (on the worker's and beat's log handlers) rewrites every log record:
   text that looks like a ``secret_env`` mapping in any repr or JSON, as Celery logs the
   whole body of a message for an unknown task name (by value-scan), and any secret value
@@ -180,6 +184,29 @@ class RedactingRequest(Request):  # type: ignore[misc]
     def info(self, safe: bool = False) -> dict[str, Any]:
         info: dict[str, Any] = super().info(safe=True)  # never the raw arguments
         return info
+
+
+def redact_sent_messages(app: Any) -> None:
+    """Every task message ``app`` builds gets redacted ``argsrepr``/``kwargsrepr`` (they go
+    in its headers and its task-sent event): built here when the sender gave none (Celery
+    would write the full repr), scrubbed when it gave its own. Idempotent."""
+    amqp = app.amqp
+    create = amqp.create_task_message
+    if getattr(create, "redacting", False):
+        return
+
+    def create_redacted(task_id: Any, name: Any, args: Any = None, kwargs: Any = None,
+                        *more: Any, argsrepr: str | None = None,
+                        kwargsrepr: str | None = None, **options: Any) -> Any:
+        argsrepr = (bounded_repr(list(args or ())) if argsrepr is None
+                    else bounded(scrub_text(argsrepr), REPR_MAX_CHARS))
+        kwargsrepr = (bounded_repr(dict(kwargs or {})) if kwargsrepr is None
+                      else bounded(scrub_text(kwargsrepr), REPR_MAX_CHARS))
+        return create(task_id, name, args, kwargs, *more, argsrepr=argsrepr,
+                      kwargsrepr=kwargsrepr, **options)
+
+    create_redacted.redacting = True  # type: ignore[attr-defined]
+    amqp.create_task_message = create_redacted
 
 
 @contextlib.contextmanager

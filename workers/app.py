@@ -89,9 +89,14 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
 
 def create_app(settings: Settings | None = None) -> Celery:
+    from tasks.redaction import redact_sent_messages
+
     app = Celery("leasekeeper", include=TASK_MODULES)
     app.conf.update(celery_config(settings or get_settings()))
     app.conf.task_routes = (LaneRouter(app.conf),)
+    # Every message this app builds, sent by name too, has redacted reprs: its task-sent
+    # event is what Flower shows until a worker receives it (tasks/redaction.py).
+    redact_sent_messages(app)
     return app
 
 
