@@ -69,11 +69,18 @@ def check_id(kind: str, value: object) -> str:
     return value
 
 
-def _no_nul(value: str) -> str:
-    # execve() and every container runtime end a string at its first NUL: refused here,
-    # not found out by the provider after the lease intent is written
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _exec_safe(value: str) -> str:
+    # execve() and every container runtime end a string at its first NUL, and take bytes:
+    # a lone surrogate (what JSON's unpaired \uXXXX escape decodes to) has no UTF-8 form.
+    # Refused here, not found out by the provider after the lease intent is written.
     if "\0" in value:
         raise ValueError("must not contain a NUL character (\\0)")
+    if _SURROGATE.search(value):
+        raise ValueError("must be valid Unicode text: a lone surrogate (\\ud800-\\udfff, "
+                         "an unpaired \\u escape in JSON) cannot be passed to a process")
     return value
 
 
@@ -83,7 +90,7 @@ def _secret(value: SecretStr) -> SecretStr:
     if len(raw) > MAX_ENV_VALUE_CHARS:
         raise ValueError(f"a secret value may be at most {MAX_ENV_VALUE_CHARS} characters; "
                          f"this one has {len(raw)}")
-    _no_nul(raw)
+    _exec_safe(raw)
     return value
 
 
@@ -122,12 +129,12 @@ def quantity_value(text: str) -> Decimal:
     return sign * Decimal(number) * _SUFFIX[suffix]
 
 
-Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_no_nul)]
+Name = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS), AfterValidator(_exec_safe)]
 Image = Annotated[Name, AfterValidator(_no_blank_ends)]
 Quantity = Annotated[str, Field(min_length=1, max_length=32), AfterValidator(_quantity)]
-EnvValue = Annotated[str, Field(max_length=MAX_ENV_VALUE_CHARS), AfterValidator(_no_nul)]
+EnvValue = Annotated[str, Field(max_length=MAX_ENV_VALUE_CHARS), AfterValidator(_exec_safe)]
 SecretValue = Annotated[SecretStr, AfterValidator(_secret)]
-Arg = Annotated[str, Field(max_length=MAX_COMMAND_ARG_CHARS), AfterValidator(_no_nul)]
+Arg = Annotated[str, Field(max_length=MAX_COMMAND_ARG_CHARS), AfterValidator(_exec_safe)]
 Duration = Annotated[int, Field(gt=0, le=MAX_DURATION_S)]
 
 

@@ -163,9 +163,17 @@ def scrub_text(text: str) -> str:
 
 def scrub_exception(exc: BaseException) -> None:
     """Scrub known secret values from an exception's arguments, in place (its type stays,
-    so Flower, the result backend and the log show the same error, minus the secret)."""
-    if exc.args and any(isinstance(a, str) for a in exc.args):
-        exc.args = tuple(scrub_text(a) if isinstance(a, str) else a for a in exc.args)
+    so Flower, the result backend and the log show the same error, minus the secret), and
+    from every exception it was raised from or during: the traceback Celery stores and
+    sends shows the whole chain."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if current.args and any(isinstance(a, str) for a in current.args):
+            current.args = tuple(scrub_text(a) if isinstance(a, str) else a
+                                 for a in current.args)
+        current = current.__cause__ or current.__context__
 
 
 class RedactingRequest(Request):  # type: ignore[misc]

@@ -194,6 +194,9 @@ def test_unknown_provider_is_refused_before_anything_is_written(rt: Runtime) -> 
      r"memory_request 2Gi is more than memory_limit 1Gi"),
     ("r", {"env": {"X": "a"}, "secret_env": {"X": "12345"}}, r"'X' set in both env and"),
     ("r", {"env": {"LEASEKEEPER_LEASE_ID": "x"}}, r"leasekeeper sets this variable"),
+    # a lone surrogate (JSON's unpaired \u escape) has no UTF-8 form for execve()
+    ("r", {"secret_env": {"X": "123\ud80045"}}, r"secret_env\.X: .*lone surrogate"),
+    ("r", {"env": {"X": "a\udc00"}}, r"env\.X: .*unicode string"),
 ])
 def test_malformed_payloads_are_clear_and_leak_nothing(run_id: str, spec: dict[str, object],
                                                        message: str) -> None:

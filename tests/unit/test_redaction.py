@@ -63,6 +63,26 @@ def test_a_known_secret_value_is_scrubbed_from_any_text_and_exception() -> None:
     assert str(exc) == "boom: ***" and isinstance(exc, RuntimeError)
 
 
+def test_a_known_secret_is_scrubbed_from_the_exceptions_an_error_was_raised_from() -> None:
+    # Celery's stored and sent traceback shows the whole chain, not just the last error
+    import traceback
+
+    value = f"known-{uuid.uuid4().hex}"
+    remember([value])
+    try:
+        try:
+            try:
+                raise ValueError(f"422: spec echoed {value}")
+            except ValueError:
+                raise KeyError(f"while handling: {value}") from None
+        except KeyError as inner:
+            raise RuntimeError("kubernetes: sandbox x: provider bug") from inner
+    except RuntimeError as exc:
+        scrub_exception(exc)
+        shown = "".join(traceback.format_exception(exc))
+    assert value not in shown and "while handling: ***" in shown
+
+
 def test_the_filter_redacts_and_bounds_message_data_and_traceback() -> None:
     try:
         raise KeyError(f"task {BODY!r}")
