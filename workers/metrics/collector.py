@@ -171,7 +171,9 @@ class LeaseCollector(Collector):
         yield GaugeMetricFamily("leasekeeper_broker_up", "1 if the exporter reached the "
                                 "broker at this scrape.", value=0 if seen is None else 1)
         yield GaugeMetricFamily("leasekeeper_workers_up",
-                                "Workers that answered a ping at this scrape.", value=seen or 0)
+                                "Workers consuming this installation's queues "
+                                "(LEASEKEEPER_TASK_QUEUE) that answered at this scrape.",
+                                value=seen or 0)
         intervals = GaugeMetricFamily("leasekeeper_sweep_interval_seconds",
                                       "Each sweep's beat interval.", labels=["sweep"])
         for sweep, field_name in SWEEPS.items():

@@ -20,21 +20,34 @@ from models.observe import Observe
 from models.store import Store
 from workers.metrics.collector import LeaseCollector, Pinger
 from workers.preflight import cannot_listen
+from workers.queues import Lane, queue_name
 from workers.settings import Settings
 
 log = logging.getLogger("leasekeeper.metrics")
 
 
-def celery_pinger() -> Pinger:
+def celery_pinger(task_queue: str) -> Pinger:
     """A ping whose broker calls take about its timeout in all: the exporter's connection
     tries once (kombu's retries took 6 s on a refused port) and gives up on a broker that
     does not answer after the timeout (the app's socket timeout is 10 s), and the scrape
-    waits for the ping's thread no longer than the timeout, counting the replies so far."""
+    waits for the ping's thread no longer than the timeout, counting the replies so far.
+
+    The ping is Celery's ``active_queues`` broadcast: every worker on the broker answers
+    it, and only those consuming a queue of this installation (LEASEKEEPER_TASK_QUEUE) are
+    counted, so another installation's workers on a shared Redis do not keep NoWorker
+    quiet."""
     from workers.app import app
+
+    ours = {queue_name(task_queue, lane) for lane in Lane}
 
     def ping(timeout_s: float) -> int | None:
         reached = threading.Event()
         replies: list[Any] = []
+
+        def count(reply: Any) -> None:  # {hostname: [{"name": queue, ...}, ...]}
+            for queues in (reply or {}).values():
+                if any(isinstance(q, dict) and q.get("name") in ours for q in queues or []):
+                    replies.append(reply)
 
         def run() -> None:
             options = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
@@ -43,8 +56,8 @@ def celery_pinger() -> Pinger:
                 with app.connection_for_write(transport_options=options) as conn:
                     conn.ensure_connection(max_retries=0)  # connected, and Redis answers
                     reached.set()
-                    app.control.ping(timeout=timeout_s, connection=conn,
-                                     callback=replies.append)
+                    app.control.broadcast("active_queues", reply=True, timeout=timeout_s,
+                                          connection=conn, callback=count)
             except (OSError, OperationalError, RedisError) as exc:
                 log.warning("metrics: broker unreachable: %s", exc)
 
@@ -59,7 +72,8 @@ def celery_pinger() -> Pinger:
 def build_registry(settings: Settings, store: Store,
                    ping: Pinger | None = None) -> CollectorRegistry:
     registry = CollectorRegistry()
-    registry.register(LeaseCollector(Observe(store), settings, ping or celery_pinger()))
+    registry.register(LeaseCollector(Observe(store), settings,
+                                     ping or celery_pinger(settings.task_queue)))
     return registry
 
 
