@@ -86,7 +86,7 @@ def up(
                 # both stop it, after saying what stays running.
                 signal.signal(signal.SIGINT, lambda *_: stop.set())
                 with contextlib.suppress(KeyboardInterrupt):
-                    stop.wait()
+                    ok = _watch(backend, stop) and ok
                 typer.echo("")
                 _what_stays_running()
                 say("stopping worker, beat, Flower" + ("" if settings.broker_url
@@ -150,6 +150,23 @@ def _end_demo(backend: object, demo_env: dict[str, str]) -> None:
         f"expire_leases {normal.expire_leases_interval_s:g} s, finish_exited "
         f"{normal.finish_exited_interval_s:g} s, orphans {normal.orphans_interval_s:g} s; "
         f"detached runs are reaped after {normal.run_detach_ttl_s} s")
+
+
+def _watch(backend: object, stop: threading.Event) -> bool:
+    """Wait for Ctrl-C or SIGTERM; a child that exits meanwhile stops `up` (False), with
+    the end of its log: a dead beat would otherwise leave every sweep silently stopped."""
+    from workers.embedded import Embedded
+
+    assert isinstance(backend, Embedded)
+    sup = backend.supervisor
+    while not stop.wait(0.5):
+        name = sup.exited()
+        if name is not None:
+            code = sup.procs[name].returncode
+            say(f"{name} exited with code {code}; stopping everything")
+            typer.echo(sup.tails(name) or f"{sup.log(name)} is empty", err=True)
+            return False
+    return True
 
 
 def _what_stays_running() -> None:

@@ -115,9 +115,14 @@ class Supervisor:
                            + (self.tails(name) or f"{self.log(name)} is empty"))
 
     def check(self) -> None:
-        for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise self.failed(name)
+        name = self.exited()
+        if name is not None:
+            raise self.failed(name)
+
+    def exited(self) -> str | None:
+        """The first child that is no longer running, if any."""
+        return next((name for name, proc in self.procs.items() if proc.poll() is not None),
+                    None)
 
     def wait_ready(self, probes: dict[str, Callable[[], bool]], timeout_s: float,
                    on_ready: Callable[[str, float], None]) -> None:

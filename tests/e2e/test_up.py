@@ -255,3 +255,25 @@ def test_up_without_flower_installed_names_the_package(tmp_path: Path) -> None:
     assert "-m pip install 'flower>=2.0'" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "logs").exists()  # nothing was started
+
+
+@pytest.mark.timeout(300)
+def test_a_child_that_exits_after_start_stops_up_with_its_log(tmp_path: Path) -> None:
+    # Before: up noticed a child's exit only while starting; a beat killed later stayed a
+    # zombie and up went on saying nothing, with no sweep running (README: "a child that
+    # exits stops `up` with the end of its log").
+    import psutil
+
+    with up(tmp_path, user_env(LEASEKEEPER_FLOWER_PORT="0")) as process:
+        process.wait_for("press Ctrl-C to stop")
+        beat = next(child for child in psutil.Process(process.proc.pid).children()
+                    if " beat " in " ".join(child.cmdline()))
+        os.killpg(beat.pid, signal.SIGKILL)
+        process.proc.wait(60)
+        out = process.text
+    assert process.proc.returncode == 1, out
+    assert re.search(r"beat exited with code -?\d+; stopping everything", out), out
+    assert "the end of " in out and "beat.log" in out, out
+    assert "Traceback" not in out
+    assert not (tmp_path / ".var" / "env").exists()
+    assert_closed(broker_port(out))
