@@ -32,6 +32,10 @@ def plain_env(tmp_path: Path, **settings: str) -> dict[str, str]:
 @contextmanager
 def celery(args: list[str], env: dict[str, str], cwd: Path, log: Path) -> Iterator[None]:
     cwd.mkdir(parents=True, exist_ok=True)
+    # the store migrated first, as the README's by-hand steps do (a worker or beat refuses
+    # a store never migrated)
+    subprocess.run([sys.executable, "-m", "workers.cli", "db", "upgrade"], cwd=cwd, env=env,
+                   check=True, capture_output=True)
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "celery", "-A", "workers.app", *args],
                                 cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT,

@@ -32,6 +32,9 @@ def probe_worker(redis_server: RedisServer, providers: str, logfile: Path
     env.update({"LEASEKEEPER_BROKER_URL": redis_server.url, "LEASEKEEPER_PROVIDERS": providers,
                 "LEASEKEEPER_PROVIDER": "local", "LEASEKEEPER_TASK_QUEUE": queue,
                 "LEASEKEEPER_VAR_DIR": str(logfile.parent), "PYTHONPATH": str(REPO)})
+    # its store migrated first, as the README says (a worker refuses a store never migrated)
+    subprocess.run([sys.executable, "-m", "workers.cli", "db", "upgrade"], cwd=REPO, env=env,
+                   check=True, capture_output=True)
     with open(logfile, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "celery", "-A", "tests.e2e.preload_probe", "worker",

@@ -115,8 +115,11 @@ def history(has_pools: bool) -> dict[str, list[dict[str, Any]]]:
         events += [{"lease_id": lease["lease_id"], "at": AGO, "from_state": a, "to_state": b,
                     "reason": f"{a} -> {b}", "task_id": "t-1"}
                    for a, b in itertools.pairwise(path)]
-    # a run that never got a lease (its acquire is recent), and one that finished without
-    runs.append({**run_row("run-leaseless", RunStatus.RUNNING, None), "started_at": NOW})
+    # a run that never got a lease (its acquire is recent: started as this test writes it,
+    # not when the module was imported, which a long session leaves past the grace), and
+    # one that finished without
+    runs.append({**run_row("run-leaseless", RunStatus.RUNNING, None),
+                 "started_at": utcnow().replace(microsecond=0)})
     runs.append(run_row("run-completed-no-lease", RunStatus.COMPLETED, None))
     if has_pools:
         member = lease_row("warm", None, pool="py")
