@@ -141,14 +141,20 @@ def _warn_unknown_settings(**_: Any) -> None:
     warn_unknown_variables()
 
 
+# A store with no schema, or an older one: exit (code 2) saying what to run, instead of
+# failing every task and sweep (workers/preflight.py).
 @worker_init.connect
-@beat_init.connect
-def _refuse_a_store_not_at_head(**_: Any) -> None:
-    # A store with no schema, or an older one: exit (code 2) saying what to run, instead
-    # of failing every task and sweep (workers/preflight.py).
+def _worker_refuses_a_store_not_at_head(**_: Any) -> None:
     from workers.preflight import refuse_a_store_not_at_head
 
-    refuse_a_store_not_at_head()
+    refuse_a_store_not_at_head("worker")
+
+
+@beat_init.connect
+def _beat_refuses_a_store_not_at_head(**_: Any) -> None:
+    from workers.preflight import refuse_a_store_not_at_head
+
+    refuse_a_store_not_at_head("beat")
 
 
 @worker_init.connect

@@ -137,11 +137,11 @@ def check_store(url: str) -> None:
                           f"{', '.join(sorted(heads))}: {UPGRADE}")
 
 
-def refuse_a_store_not_at_head(**_: Any) -> None:
-    """``worker_init`` and ``beat_init`` (connected in workers/app.py): a worker or beat
-    whose store has no schema, or an older one than this leasekeeper's, exits at once
-    (code 2) saying what to run, instead of failing every task and sweep while it runs
-    (``relation "runs" does not exist``). A store that does not answer yet is no reason
+def refuse_a_store_not_at_head(process: str) -> None:
+    """At a worker's or beat's start (``process``, from workers/app.py): on a store with no
+    schema, or an older one than this leasekeeper's, exit at once (code 2) saying what to
+    run, instead of failing every task and sweep while it runs (``relation "runs" does not
+    exist``). A store that does not answer yet is no reason
     to refuse (tasks retry until it does), nor one a newer leasekeeper migrated (during a
     rolling upgrade the old workers still run on it): both are logged."""
     import logging
@@ -149,7 +149,6 @@ def refuse_a_store_not_at_head(**_: Any) -> None:
 
     from workers.settings import get_settings
 
-    process = "beat" if "beat" in sys.argv else "worker"
     log = logging.getLogger("leasekeeper.preflight")
     try:
         check_store(get_settings().effective_store_url)
