@@ -33,7 +33,8 @@ def alembic_config(url: str) -> Config:
     return config
 
 
-def _sqlite_file(url: str) -> Path | None:
+def sqlite_file(url: str) -> Path | None:
+    """The database file of a SQLite store URL (None: another database, or in memory)."""
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
         return None
@@ -43,7 +44,7 @@ def _sqlite_file(url: str) -> Path | None:
 @contextlib.contextmanager
 def _one_at_a_time(url: str) -> Iterator[None]:
     """On SQLite, the other upgrades of this file wait until this one is done."""
-    path = _sqlite_file(url)
+    path = sqlite_file(url)
     if path is None:
         yield
         return

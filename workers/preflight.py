@@ -13,7 +13,8 @@ SQLite file), and the message names `leasekeeper db upgrade`.
 from __future__ import annotations
 
 import functools
-from pathlib import Path
+import logging
+import sys
 from typing import Any
 
 import redis
@@ -106,10 +107,11 @@ def _newer_store(url: str, revisions: list[str]) -> str:
 
 
 def check_store(url: str) -> None:
+    from models.migrate import sqlite_file
+
     check_driver(url)
-    parsed = make_url(url)
-    if parsed.get_backend_name() == "sqlite" and parsed.database not in (None, "", ":memory:"):
-        path = Path(str(parsed.database))
+    path = sqlite_file(url)
+    if path is not None:
         if path.parent.exists() and not path.parent.is_dir():
             raise ConfigError(
                 f"the store's folder {path.parent} is not a folder (LEASEKEEPER_STORE_URL="
@@ -144,9 +146,6 @@ def refuse_a_store_not_at_head(process: str) -> None:
     exist``). A store that does not answer yet is no reason
     to refuse (tasks retry until it does), nor one a newer leasekeeper migrated (during a
     rolling upgrade the old workers still run on it): both are logged."""
-    import logging
-    import sys
-
     from workers.settings import get_settings
 
     log = logging.getLogger("leasekeeper.preflight")
