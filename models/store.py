@@ -635,11 +635,16 @@ class Store:
             return self.raw.transition(cur, change, utcnow())
 
     def claim_to_destroy(self, lease_id: str, expected: Iterable[str], reason: str,
-                         task_id: str | None, first_end_reason: str) -> ClaimedLease | None:
+                         task_id: str | None, first_end_reason: str,
+                         bound_to: str | None = None) -> ClaimedLease | None:
         """The destroy's claim: :meth:`transition` to destroying, reading back only what
-        the destroy needs of the lease (its provider, handle and attempts)."""
+        the destroy needs of the lease (its provider, handle and attempts); with
+        ``bound_to``, only while the lease is still bound to that run (a reuse binds it to
+        another run by writing the lease row, so the claim's guard sees it: on PostgreSQL
+        the claim waits for the binding transaction, then checks the row it committed)."""
+        guard, params = ("run_id = :bound_to", {"bound_to": bound_to}) if bound_to else ("", None)
         change = Change(lease_id, frozenset(expected), LeaseState.DESTROYING, reason,
-                        task_id, {}, first_end_reason)
+                        task_id, {}, first_end_reason, guard, params)
         with self.raw_tx() as cur:
             return self.raw.claim(cur, change, utcnow())
 

@@ -42,6 +42,7 @@ class DestroyResult(StrEnum):
     IN_PROGRESS = "in_progress"  # another worker holds the destroy claim
     CLEANUP_PENDING = "cleanup_pending"  # failed; sweep.retry_cleanup will try again
     ABANDONED = "abandoned"  # failed for the last allowed time
+    REBOUND = "rebound"  # bound to another run meanwhile (a reuse): left alone
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,19 @@ def cleanup_delay_s(rt: Runtime, attempts: int) -> float:
     return float(min(rt.settings.cleanup_backoff_s * 2 ** max(attempts - 1, 0), 3600.0))
 
 
-def destroy_lease(rt: Runtime, lease_id: str, reason: str, task_id: str | None) -> Destroyed:
+def destroy_lease(rt: Runtime, lease_id: str, reason: str, task_id: str | None,
+                  bound_to: str | None = None) -> Destroyed:
+    """Destroy the lease's sandbox; with ``bound_to``, only while the lease is bound to
+    that run (a reclaim: a run of the thread that reused the sandbox meanwhile keeps it)."""
     store = rt.store
     claimed = store.claim_to_destroy(lease_id, DESTROYABLE, f"destroy: {reason}", task_id,
-                                     first_end_reason=reason[:64])
+                                     first_end_reason=reason[:64], bound_to=bound_to)
     if claimed is None:
         current = store.get_lease(lease_id)
         if current.state in FINAL_STATES:
             return Destroyed(lease_id, DestroyResult.ALREADY_ENDED, current.state)
+        if bound_to is not None and current.run_id != bound_to:
+            return Destroyed(lease_id, DestroyResult.REBOUND, current.state)
         return Destroyed(lease_id, DestroyResult.IN_PROGRESS, current.state)
     try:
         outcome = rt.provider(claimed.provider).destroy(handle(claimed))

@@ -6,7 +6,8 @@ never one found by sandbox key: a newer run may hold the key now. No sandbox key
 ``not-found``; the lease belongs to another provider → refused (``provider-mismatch``),
 touching nothing, not even the lease; another run bound to the lease is not finished
 (running, or interrupted: paused, it still needs the sandbox) → ``not-found``, the sandbox
-is not ours to take. Otherwise destroy.
+is not ours to take, and so is one a run of the thread reuses between that check and the
+destroy's claim (the claim is guarded on the lease's run). Otherwise destroy.
 
 A possible leak is never reported as success. Where the seed deletes its only pointer
 even when destroy failed, we keep it: the lease becomes pending_cleanup (no longer
@@ -87,8 +88,18 @@ def reclaim_run(rt: Runtime, run_id: str, task_id: str | None) -> Reclaimed:
         # A reused sandbox still serves another run of the thread: not ours to destroy.
         return _record(rt, Reclaimed(run_id, ReclaimOutcome.NOT_FOUND, lease.lease_id,
                                      f"sandbox still serves run {', '.join(in_use)}"))
-    done = destroy_lease(rt, lease.lease_id, f"reclaim of run {run_id}", task_id)
+    # Only while no other run took the lease since it was read (a reuse binds it to its
+    # run): one that did between the check above and the claim keeps its sandbox.
+    done = destroy_lease(rt, lease.lease_id, f"reclaim of run {run_id}", task_id,
+                         bound_to=lease.run_id)
     match done.result:
+        case DestroyResult.REBOUND:
+            in_use = store.other_unfinished_runs(lease.lease_id, run_id)
+            if in_use:
+                return _record(rt, Reclaimed(run_id, ReclaimOutcome.NOT_FOUND, lease.lease_id,
+                                             f"sandbox still serves run {', '.join(in_use)}"))
+            raise TransientProviderError(f"lease {lease.lease_id} was bound to another run "
+                                         "while it was being reclaimed; retrying")
         case DestroyResult.IN_PROGRESS:
             raise TransientProviderError(f"lease {lease.lease_id} is being destroyed; retrying")
         case DestroyResult.DESTROYED:

@@ -33,11 +33,13 @@ class RacingStore(Store):
         self.meanwhile: Callable[[Store], Any] | None = meanwhile
 
     def claim_to_destroy(self, lease_id: str, expected: Any, reason: str,
-                         task_id: str | None, first_end_reason: str) -> Any:
+                         task_id: str | None, first_end_reason: str,
+                         bound_to: str | None = None) -> Any:
         if self.meanwhile is not None:
             act, self.meanwhile = self.meanwhile, None
             act(self)
-        return super().claim_to_destroy(lease_id, expected, reason, task_id, first_end_reason)
+        return super().claim_to_destroy(lease_id, expected, reason, task_id, first_end_reason,
+                                        bound_to)
 
 
 def racing(rt: Runtime, meanwhile: Callable[[Store], Any]) -> Runtime:
@@ -91,3 +93,28 @@ def test_abandonment_settles_the_runs_on_the_lease(rt: Runtime) -> None:
         run = rt.store.get_run(run_id)
         assert run.status == RunStatus.ABORTED and run.error == f"its lease {lease_id} ended: x"
     FaultPlan(rt.settings.faults_file).write({})
+
+
+def test_reuse_bound_between_read_and_claim_keeps_the_sandbox(rt: Runtime) -> None:
+    # run-1 finished; its reclaim has found no other run on the lease when run-2 of the
+    # same thread reuses the sandbox (resume-checked, bound) before the destroy's claim:
+    # the sandbox now serves run-2 and is not reclaim's to destroy.
+    spec = SandboxSpec(thread_id="th", reuse=True)
+    lease_id = acquire_lease(rt, "run-1", spec, None, False).lease_id
+    finish(rt, "run-1", RunStatus.COMPLETED, 0, None)
+
+    def reuse(_store: Store) -> None:
+        reused = acquire_lease(rt, "run-2", spec, None, False)
+        assert (reused.result, reused.lease_id) == ("reused", lease_id)
+
+    done = reclaim_run(racing(rt, reuse), "run-1", None)
+    assert done.outcome == ReclaimOutcome.NOT_FOUND
+    assert done.detail == "sandbox still serves run run-2"
+    lease = rt.store.get_lease(lease_id)
+    assert (lease.state, lease.run_id) == (LeaseState.ACTIVE, "run-2")
+    assert rt.store.get_run("run-2").status == RunStatus.RUNNING
+    assert [r.name for r in rt.provider("local").list_managed()] == [lease.provider_lease_id]
+    # once run-2 is done too, its own reclaim takes the sandbox
+    finish(rt, "run-2", RunStatus.COMPLETED, 0, None)
+    assert reclaim_run(rt, "run-2", None).outcome == ReclaimOutcome.DESTROYED
+    assert rt.provider("local").list_managed() == []

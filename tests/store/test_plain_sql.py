@@ -120,6 +120,44 @@ def test_a_destroy_claim_reads_back_what_a_destroy_needs(store: Store) -> None:
         store.claim_to_destroy("nope", {LeaseState.ACTIVE}, "x", None, "x")
 
 
+def test_a_claim_bound_to_a_run_waits_for_a_rebinding_and_then_takes_nothing(
+    store: Store,
+) -> None:
+    # a reclaim's claim (bound to run-1) while a reuse's transaction binds the lease to
+    # run-2 and has not committed yet: it waits for it, then sees the lease is run-2's
+    store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), None)
+    store.move("l1", {LeaseState.PROVISIONING}, LeaseState.ACTIVE, "ready")
+    store.start_run("run-2", "t-1", "local", "k1")
+    binding = threading.Event()
+    release = threading.Event()
+
+    def bind_slowly() -> None:
+        with store.tx() as s:
+            s.execute(update(Lease).where(Lease.lease_id == "l1").values(run_id="run-2"))
+            s.execute(update(Run).where(Run.run_id == "run-2").values(lease_id="l1"))
+            binding.set()
+            release.wait(10)
+
+    binder = threading.Thread(target=bind_slowly)
+    binder.start()
+    assert binding.wait(10)
+    claims: list[object] = []
+    claimer = threading.Thread(target=lambda: claims.append(store.claim_to_destroy(
+        "l1", {LeaseState.ACTIVE}, "destroy: reclaim", None, "reclaim", bound_to="run-1")))
+    claimer.start()
+    claimer.join(0.5)
+    assert claimer.is_alive()  # it waits for the binding transaction
+    release.set()
+    binder.join(10)
+    claimer.join(10)
+    assert claims == [None]
+    lease = store.get_lease("l1")
+    assert (lease.state, lease.run_id) == (LeaseState.ACTIVE, "run-2")
+    # while bound to the run it names, the claim takes the lease
+    assert store.claim_to_destroy("l1", {LeaseState.ACTIVE}, "destroy: reclaim", None,
+                                  "reclaim", bound_to="run-2") is not None
+
+
 def test_the_first_end_reason_wins(store: Store) -> None:
     store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), None)
     store.transition("l1", {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP,
