@@ -50,11 +50,17 @@ def test_a_worker_holding_unacknowledged_tasks_survives_a_broker_restart(
             client.send_task("lease.acquire", kwargs={"run_id": run_id,
                                                       "spec": {"provider": "faulty"}})
         held = redis_client.Redis(port=port)
-        eventually(lambda: held.hlen("unacked") >= 2, 30, "the worker to take both tasks")
-        held.close()
         store = stack.runtime().store
-        eventually(lambda: len([lease for lease in store.leases() if lease.run_id in runs]) == 2,
-                   30, "both acquires to write their intent and call the provider")
+        try:
+            eventually(lambda: held.hlen("unacked") >= 2, 60, "the worker to take both tasks")
+            eventually(lambda: len([lease for lease in store.leases()
+                                    if lease.run_id in runs]) == 2,
+                       60, "both acquires to write their intent and call the provider")
+        except AssertionError as waited:  # a busy CI host: say what the worker did
+            raise AssertionError(f"{waited}; leases {store.leases()}; worker log:\n"
+                                 f"{_tail(stack.logfile)}") from None
+        finally:
+            held.close()
 
         broker.stop()
         time.sleep(2)
