@@ -53,13 +53,28 @@ def _redis(settings: Settings) -> redis.Redis[bytes]:
                                 socket_connect_timeout=2)
 
 
-def workers_online(timeout_s: float, node: str | None = None, first: bool = False
-                   ) -> list[str]:
+def workers_online(timeout_s: float, node: str | None = None) -> list[str]:
+    """The workers that answer within ``timeout_s`` and consume this installation's queues
+    (LEASEKEEPER_TASK_QUEUE): one of another installation on the same Redis is not ours."""
     from workers.app import app
+    from workers.queues import serving
 
-    replies = app.control.ping(destination=[node] if node else None, timeout=timeout_s,
-                               limit=1 if first or node else None)
-    return sorted(name for reply in replies for name in reply)
+    replies = app.control.broadcast("active_queues", reply=True, timeout=timeout_s,
+                                    destination=[node] if node else None,
+                                    limit=1 if node else None)
+    base = get_settings().task_queue
+    return sorted(name for reply in replies or [] for name in serving(reply, base))
+
+
+def no_worker(node: str | None, queue: str) -> str:
+    """What a missing worker means, said the same way by status and health."""
+    if node:
+        return (f"worker {node} does not answer, or does not consume this installation's "
+                f"queues (LEASEKEEPER_TASK_QUEUE={queue}): start it with this "
+                "installation's settings")
+    return (f"no worker of this installation answers (none consumes its queues, "
+            f"LEASEKEEPER_TASK_QUEUE={queue}): start one (celery -A workers.app worker -E) "
+            "with this installation's settings")
 
 
 def sweep_ticks(settings: Settings, client: redis.Redis[bytes]) -> list[dict[str, Any]]:
@@ -140,8 +155,7 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
                     f"({STALE_INTERVALS * tick['interval_s']:g} s): are the workers busy?")
         report["workers"] = workers_online(1.0)
         if not report["workers"]:
-            verdict.problems.append("no worker answers a ping: start one "
-                                    "(celery -A workers.app worker -E)")
+            verdict.problems.append(no_worker(None, queue))
     except redis.RedisError as exc:
         from tasks.producer import broker_unreachable
 
@@ -255,9 +269,8 @@ def _probe(check: Check, settings: Settings, node: str | None, timeout_s: float
                 check_store(settings.effective_store_url)
             case Check.WORKER:
                 check_broker(settings.effective_broker_url)
-                if not workers_online(timeout_s, node, first=True):
-                    return (f"worker {node} does not answer a ping" if node
-                            else "no worker answers a ping")
+                if not workers_online(timeout_s, node):
+                    return no_worker(node, settings.task_queue)
             case Check.BEAT:
                 from workers.beat import beat_max_interval_s
                 from workers.heartbeats import last_beat

@@ -12,6 +12,7 @@ splits them over workers; production runs a separate cleanup worker (see the REA
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -51,6 +52,15 @@ def lane_of(task_name: str) -> Lane:
 
 def queue_name(base: str, lane: Lane) -> str:
     return base if lane is Lane.DEFAULT else f"{base}.{lane}"
+
+
+def serving(reply: Mapping[str, Any] | None, base: str) -> list[str]:
+    """The workers in a reply to Celery's ``active_queues`` broadcast (``{hostname: [{"name":
+    queue, ...}, ...]}``) that consume a queue of the installation whose base queue is
+    ``base``: what answers a ping on a shared Redis may serve another installation."""
+    ours = {queue_name(base, lane) for lane in Lane}
+    return [host for host, queues in (reply or {}).items()
+            if any(isinstance(q, Mapping) and q.get("name") in ours for q in queues or [])]
 
 
 def task_queues(base: str) -> list[Queue]:

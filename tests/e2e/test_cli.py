@@ -130,3 +130,22 @@ def test_reap_dry_run_prints_json(stack: WorkerStack) -> None:
     assert {lease.lease_id: lease.state for lease in stack.runtime().store.leases()} == before
     one = cli_json(stack, "reap", "--dry-run", "--sweep", "sweep.expire_leases")
     assert [s["sweep"] for s in one["sweeps"]] == ["sweep.expire_leases"]
+
+
+def test_health_and_status_count_only_this_installations_workers(stack: WorkerStack) -> None:
+    """Another installation on the same Redis (its own LEASEKEEPER_TASK_QUEUE) has no
+    worker: the stack's worker, which serves the other queues, must not make it healthy."""
+    lonely = {**stack.env, "LEASEKEEPER_TASK_QUEUE": f"lonely-{uuid.uuid4().hex[:8]}"}
+    done = leasekeeper("health", "--worker", env=lonely)
+    assert done.returncode == 1, (done.stdout, done.stderr)
+    assert done.stderr.startswith("unhealthy worker: no worker of this installation")
+    assert "LEASEKEEPER_TASK_QUEUE" in done.stderr
+    # a node that is up but serves another installation is not this one's worker either
+    done = leasekeeper("health", "--worker", "--node", stack.hostname(1), env=lonely)
+    assert done.returncode == 1 and stack.hostname(1) in done.stderr, done.stderr
+    status = json.loads(leasekeeper("status", "--json", env=lonely).stdout)
+    assert status["workers"] == []
+    assert any("no worker of this installation" in p for p in status["verdict"]["problems"])
+    # the stack's own installation still sees its worker
+    done = leasekeeper("health", "--worker", env=stack.env)
+    assert (done.returncode, done.stderr) == (0, "")

@@ -20,7 +20,7 @@ from models.observe import Observe
 from models.store import Store
 from workers.metrics.collector import LeaseCollector, Pinger
 from workers.preflight import cannot_listen
-from workers.queues import Lane, queue_name
+from workers.queues import serving
 from workers.settings import Settings
 
 log = logging.getLogger("leasekeeper.metrics")
@@ -38,16 +38,13 @@ def celery_pinger(task_queue: str) -> Pinger:
     quiet."""
     from workers.app import app
 
-    ours = {queue_name(task_queue, lane) for lane in Lane}
-
     def ping(timeout_s: float) -> int | None:
         reached = threading.Event()
         replies: list[Any] = []
 
-        def count(reply: Any) -> None:  # {hostname: [{"name": queue, ...}, ...]}
-            for queues in (reply or {}).values():
-                if any(isinstance(q, dict) and q.get("name") in ours for q in queues or []):
-                    replies.append(reply)
+        def count(reply: Any) -> None:
+            if serving(reply, task_queue):
+                replies.append(reply)
 
         def run() -> None:
             options = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
