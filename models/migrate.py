@@ -38,7 +38,17 @@ def sqlite_file(url: str) -> Path | None:
     parsed = make_url(url)
     if parsed.get_backend_name() != "sqlite" or parsed.database in (None, "", ":memory:"):
         return None
-    return Path(str(parsed.database))
+    database = str(parsed.database)
+    if str(parsed.query.get("uri", "")).lower() in ("true", "1") and database.startswith(
+            "file:"):  # a URI filename (sqlite:///file:/path?mode=ro&uri=true)
+        database = database.removeprefix("file:")
+        if database.startswith("//"):  # an authority (empty or localhost), then the path
+            authority_and_path = database[2:]
+            database = authority_and_path[authority_and_path.find("/"):] if (
+                "/" in authority_and_path) else ""
+        if database in ("", ":memory:") or parsed.query.get("mode") == "memory":
+            return None
+    return Path(database)
 
 
 @contextlib.contextmanager

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -50,11 +51,16 @@ from models.schema import (
     utcnow,
 )
 from providers.errors import (
+    READ_ONLY_SQLITE,
+    READ_ONLY_STORE,
     InvalidRequest,
     NotFound,
     StoreError,
+    StoreNotPermitted,
+    StoreReadOnly,
     StoreUnavailable,
     TransientProviderError,
+    lacks_right,
 )
 
 _LEASES = cast(Table, Lease.__table__)
@@ -272,14 +278,13 @@ class _RawTx:
                     store._drop_hot(hot, invalidate=True)
         finally:
             self._unlock()
-        if isinstance(exc, dbapi.IntegrityError):
+        if isinstance(exc, dbapi.IntegrityError) or not isinstance(exc, dbapi.Error):
             return None
-        if isinstance(exc, dbapi.OperationalError | dbapi.InterfaceError) or broken:
+        translated = store._translated(
+            exc, isinstance(exc, dbapi.OperationalError | dbapi.InterfaceError) or broken)
+        if isinstance(translated, StoreUnavailable):  # gone, or read-only: connect anew
             store._drop_hot(hot, invalidate=True)
-            return store._unavailable(exc)
-        if isinstance(exc, dbapi.Error):
-            return StoreError(f"lease store error: {str(exc)[:300]}")
-        return None
+        return translated
 
 
 class Store:
@@ -308,11 +313,55 @@ class Store:
         except IntegrityError:
             raise
         except (OperationalError, DBAPIError) as exc:
-            if isinstance(exc, OperationalError) or exc.connection_invalidated:
-                raise self._unavailable(exc.orig or exc) from None
-            raise StoreError(f"lease store error: {str(exc.orig)[:300]}") from None
+            raise self._translated(exc.orig or exc, isinstance(exc, OperationalError)
+                                   or exc.connection_invalidated) from None
         except SQLAlchemyError as exc:
             raise StoreError(f"lease store error: {exc!s:.300}") from None
+
+    def _translated(self, orig: BaseException, unavailable: bool) -> StoreError:
+        """The one translation of a driver's error, for both paths (:meth:`tx`, and the
+        hot path's ``_RawTx._failed``): a refused write first (:meth:`_refused`), then
+        StoreUnavailable if ``unavailable`` (the connection failed or went away), else
+        StoreError."""
+        refused = self._refused(orig)
+        if refused is not None:
+            return refused
+        if unavailable:
+            return self._unavailable(orig)
+        return StoreError(f"lease store error: {str(orig)[:300]}")
+
+    def _refused(self, orig: BaseException) -> StoreReadOnly | StoreNotPermitted | None:
+        """A store that answers but will not do this, said the way preflight says it at a
+        worker's start (the wording is shared: providers/errors.py, which also explains
+        the retry decision): read-only (PostgreSQL 25006, SQLite's SQLITE_READONLY) is
+        StoreReadOnly, retried; a missing right (42501) is StoreNotPermitted, not retried.
+        None for any other error. A read-only answer also drops the pool's connections:
+        each keeps the default_transaction_read_only it connected with, so a retry must
+        connect anew (the hot path drops its own connection: ``_RawTx._failed``)."""
+        sqlstate = getattr(orig, "sqlstate", None)
+        sqlite_read_only = str(getattr(orig, "sqlite_errorname", "")).startswith(
+            "SQLITE_READONLY") or "readonly database" in str(orig)
+        if sqlstate not in ("25006", "42501") and not (
+                sqlite_read_only and not self.raw.pg):
+            return None
+        said = " ".join(str(orig).split()).removeprefix("ERROR: ")[:200]
+        where = self.engine.url.render_as_string(hide_password=True)  # never a password
+        refusal = f"the lease store at {where} refused ({type(orig).__name__}: {said})"
+        if sqlstate == "42501":
+            user = self.engine.url.username or "the URL's user"
+            denied = re.search(r"permission denied for (\w+) \"?([\w.]+)", said)
+            on = (None if denied is None else
+                  f"{denied[1].replace('relation', 'table')} {denied[2]}")
+            return StoreNotPermitted(
+                f"{refusal}: {lacks_right(user, on)} (the store needs SELECT, INSERT, "
+                "UPDATE and DELETE on all its tables, and USAGE on their sequences); not "
+                "retried: a missing right does not come back by itself")
+        self.engine.dispose()
+        fix, until = ((READ_ONLY_STORE, "a failover ends") if self.raw.pg else (
+            READ_ONLY_SQLITE.format(path=(self.engine.url.database or "").removeprefix(
+                "file:")), "until the file is writable"))
+        return StoreReadOnly(f"{refusal}: {fix}; the task will retry with backoff ({until}), "
+                             "and fails with this message if it outlasts the retries")
 
     def _unavailable(self, orig: BaseException) -> StoreUnavailable:
         said = " ".join(str(orig).split())[:200]
@@ -357,8 +406,10 @@ class Store:
         that collide on a 0.2 ms transaction lose milliseconds; a flock waiter wakes the
         moment the lock is released. Writers that do not take it (sessions, other
         programs) are still ordered by SQLite itself: this only makes waits short."""
-        database = self.engine.url.database
-        if self.raw.pg or not database or database == ":memory:":
+        from models.migrate import sqlite_file
+
+        database = None if self.raw.pg else sqlite_file(self.url)
+        if database is None:
             return None
         try:
             return os.open(f"{database}.writers", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)

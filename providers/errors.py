@@ -6,7 +6,9 @@
  │    └── ProviderMismatch      the sandbox key's live lease belongs to another provider
      ├── NotFound                   a lease or run id the store does not know
      ├── StoreError
-     │    └── StoreUnavailable      the database went away or is locked (transient)
+     │    ├── StoreUnavailable      the database went away or is locked (transient)
+     │    │    └── StoreReadOnly    it answers but refuses writes: a replica (transient)
+     │    └── StoreNotPermitted     the store's user lacks a right (terminal)
      ├── BrokerUnavailable          Redis (broker, results) is unreachable (transient)
      └── ProviderError              raised only at a provider boundary
           ├── TransientProviderError   429, 5xx, timeouts, dropped connections (retry)
@@ -63,6 +65,45 @@ class StoreError(LeasekeeperError):
 
 class StoreUnavailable(StoreError):
     """The database is unreachable, restarting or locked; retrying later may succeed."""
+
+
+# Refused writes. Whether they are retried is decided here, by the class:
+# - read-only (PostgreSQL 25006: a failover put us on a replica, or someone set
+#   default_transaction_read_only; SQLite: a file or mount that became read-only) is
+#   TRANSIENT: a failover ends, a primary comes back, and retrying with backoff is what
+#   users expect. The store drops the connection that said it, so the retry connects anew
+#   (a session keeps default_transaction_read_only as it was when it connected). If it
+#   lasts longer than the retries, the task fails with the same message.
+# - a missing right (PostgreSQL 42501 insufficient_privilege, e.g. REVOKE UPDATE ON
+#   leases) is TERMINAL: it does not come back by itself, so the task fails at once
+#   saying which user, which table and what to grant, rather than retrying for minutes.
+class StoreReadOnly(StoreUnavailable):
+    """The store answers but refuses writes (a replica, default_transaction_read_only, a
+    read-only SQLite file); retried, as a failover ends."""
+
+
+class StoreNotPermitted(StoreError):
+    """The store's user lacks a right on a table; never retried: a grant, or running as
+    the tables' owner, fixes it."""
+
+
+# What a store that refuses means and how to fix it: one wording for a command or a
+# worker's start (workers/preflight.py, which exits) and for a task (models/store.py).
+READ_ONLY_STORE = ("this server or database is read-only (a replica, or "
+                   "default_transaction_read_only=on); point LEASEKEEPER_STORE_URL at the "
+                   "primary")
+READ_ONLY_SQLITE = ("the SQLite file {path} is read-only (its or its folder's permissions, "
+                    "a read-only mount, or mode=ro in the URL); make the file, its -wal and "
+                    "-shm files and its folder writable by this user, or point "
+                    "LEASEKEEPER_STORE_URL at a writable store")
+
+
+def lacks_right(user: str, on: str | None = None) -> str:
+    """Why a user may not do what was asked (``on``: "table leases", when known)."""
+    where = f" on {on}" if on else ""
+    return (f"the user {user} lacks a right this needs{where}; run it as the owner of the "
+            "store's tables (the user that ran `leasekeeper db upgrade` first), or grant "
+            f"{user} that right")
 
 
 class BrokerUnavailable(LeasekeeperError):

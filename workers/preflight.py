@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -23,7 +24,13 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
-from providers.errors import BrokerUnavailable, ConfigError, StoreUnavailable
+from providers.errors import (
+    READ_ONLY_STORE,
+    BrokerUnavailable,
+    ConfigError,
+    StoreUnavailable,
+    lacks_right,
+)
 
 UPGRADE = "run `leasekeeper db upgrade` (with the same LEASEKEEPER_STORE_URL)"
 
@@ -225,12 +232,9 @@ _WRONG_SETTING = (("does not exist", "create it, or fix the URL"),
 # What PostgreSQL says when the server answers but may not do what was asked (SQLSTATE):
 # a setting to fix, not a store to wait for. A failed migration changes nothing on
 # PostgreSQL (its DDL is one transaction).
-_NOT_ALLOWED = {
-    "25006": "this server or database is read-only (a replica, or "
-             "default_transaction_read_only=on); point LEASEKEEPER_STORE_URL at the primary",
-    "42501": "the user {user} lacks a right this needs; run it as the owner of the store's "
-             "tables (the user that ran `leasekeeper db upgrade` first), or grant {user} "
-             "that right",
+_NOT_ALLOWED: dict[str, Callable[[str], str]] = {
+    "25006": lambda _user: READ_ONLY_STORE,  # the same words as a task's (models/store.py)
+    "42501": lacks_right,
 }
 
 
@@ -251,7 +255,7 @@ def store_error(url: str, exc: SQLAlchemyError, doing: str) -> ConfigError | Sto
     if sqlstate in _NOT_ALLOWED:
         who = make_url(url).username or "the URL's user"
         return ConfigError(f"{doing} the store {shown(url)}: the server says {first!r}: "
-                           f"{_NOT_ALLOWED[sqlstate].format(user=who)} "
+                           f"{_NOT_ALLOWED[sqlstate](who)} "
                            "(LEASEKEEPER_STORE_URL); nothing was changed")
     return StoreUnavailable(f"{doing} the store {shown(url)} (LEASEKEEPER_STORE_URL): "
                             f"{type(orig).__name__}: {first}")
