@@ -3,8 +3,8 @@
 One migration at a time per store: several upgrades started together (replicas' init
 containers, a retried deploy job, two operators) each wait for the one migrating, then
 find the store where it left it and go on from there (usually: nothing to do). On
-PostgreSQL the migration's connection holds a session advisory lock (models/migrations/
-env.py); on SQLite the upgrade holds an exclusive ``flock`` on the database file itself
+PostgreSQL the migration's transaction holds an advisory lock (models/migrations/env.py);
+on SQLite the upgrade holds an exclusive ``flock`` on the database file itself
 (SQLite's own locks are POSIX record locks, which ``flock`` does not touch).
 """
 

@@ -14,6 +14,14 @@ Errors stay psycopg's, so the store's translation (models/store.py) is unchanged
 failed statement raises psycopg's class for its SQLSTATE (a unique violation is an
 ``IntegrityError``), a lost or failed connection ``OperationalError``.
 
+Behind a pooler in transaction mode (PgBouncer before 1.21) each autocommit statement
+may run on another server connection than the one that prepared it. Statement names are
+digests of the statement and its parameter types, so a name already there (42P05) is the
+same statement, whoever prepared it; ``prepare=False`` (LEASEKEEPER_STORE_PREPARED_
+STATEMENTS=false) sends every statement unprepared; left on, the first "prepared
+statement does not exist" (26000: the statement did not run) turns preparing off for the
+whole process, with one warning, and the statement is sent again unprepared.
+
 The answer is waited for with ``poll`` and a monotonic deadline, not inside libpq's
 blocking exec: a server that stops answering (frozen, or its host gone without a reset)
 fails the statement once the deadline passes, and a signal handler's exception (Celery's
@@ -24,7 +32,8 @@ statement in flight, so it is closed: the store drops it and the next call conne
 from __future__ import annotations
 
 import functools
-import itertools
+import hashlib
+import logging
 import re
 import select
 import time
@@ -36,9 +45,26 @@ from psycopg.adapt import PyFormat, Transformer
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
 _OK = (pq.ExecStatus.TUPLES_OK, pq.ExecStatus.COMMAND_OK)
-# Prepared statements' names, unique in the process: a connection back in the pool keeps
-# them, and a later cursor on it must not collide
-_NAMES = itertools.count()
+# SQLSTATEs a pooler in transaction mode causes: the statement named is not prepared on
+# this server connection (it did not run), or a statement of that name already is
+NOT_PREPARED_HERE = b"26000"
+ALREADY_PREPARED = b"42P05"
+
+log = logging.getLogger("leasekeeper.store")
+
+
+class _Preparing:
+    """Whether this process still prepares (off for good after the first 26000)."""
+
+    on = True
+
+
+def statement_name(query: bytes, types: tuple[int, ...]) -> bytes:
+    """A prepared statement's name: a digest of its text and parameter types, the same in
+    every process (another client's statement of this name on a pooled server connection
+    is this statement)."""
+    digest = hashlib.blake2b(query + repr(types).encode(), digest_size=12).hexdigest()
+    return f"lk_{digest}".encode()
 
 
 @functools.lru_cache(maxsize=256)
@@ -59,8 +85,10 @@ class PqCursor:
     """The few cursor calls RawSql makes, on a psycopg connection's libpq connection (in
     autocommit: each statement is its own transaction, as with psycopg's cursor)."""
 
-    def __init__(self, connection: Connection[Any], answer_within_s: float) -> None:
+    def __init__(self, connection: Connection[Any], answer_within_s: float,
+                 prepare: bool = True) -> None:
         self.connection = connection
+        self.prepare = prepare
         self.pgconn = connection.pgconn
         self.answer_within_s = answer_within_s
         self._poll: select.poll | None = None  # of the connection's socket, on first use
@@ -75,16 +103,16 @@ class PqCursor:
         tx = self._tx
         values = tx.dump_sequence([given[name] for name in names],
                                   [PyFormat.AUTO] * len(names))
-        key = (query, tx.types or ())
-        prepared = self._prepared.get(key)
+        types = tx.types or ()
         pgconn = self.pgconn
-        if prepared is None:
-            prepared = f"lk_hot_{next(_NAMES)}".encode()
-            self._check(self._answer(lambda: pgconn.send_prepare(prepared, query, key[1])))
-            self._prepared[key] = prepared
         # libpq takes a NULL for a None (psycopg's own cursor passes them so)
-        result = self._answer(lambda: pgconn.send_query_prepared(
-            prepared, cast(Sequence[bytes], values), tx.formats))
+        sent = cast(Sequence[bytes], values)
+        result = None
+        if self.prepare and _Preparing.on:
+            result = self._run_prepared(query, types, sent)
+        if result is None:
+            result = self._answer(lambda: pgconn.send_query_params(
+                query, sent, types, tx.formats))
         self._check(result)
         if result.status == pq.ExecStatus.TUPLES_OK:
             tx.set_pgresult(result)
@@ -92,6 +120,33 @@ class PqCursor:
         else:
             self._rows = []
         return self
+
+    def _run_prepared(self, query: bytes, types: tuple[int, ...], values: Sequence[bytes],
+                      ) -> pq.abc.PGresult | None:
+        """The statement's result, prepared first if this connection has not yet; None if
+        the server connection does not have it (a pooler in transaction mode): preparing
+        is then off for the process, and the statement, which did not run, is the
+        caller's to send unprepared."""
+        pgconn, key = self.pgconn, (query, types)
+        name = self._prepared.get(key)
+        if name is None:
+            name = statement_name(query, types)
+            made = self._answer(lambda: pgconn.send_prepare(name, query, types))
+            if made.error_field(pq.DiagnosticField.SQLSTATE) != ALREADY_PREPARED:
+                self._check(made)
+            self._prepared[key] = name
+        result = self._answer(lambda: pgconn.send_query_prepared(
+            name, values, self._tx.formats))
+        if result.error_field(pq.DiagnosticField.SQLSTATE) != NOT_PREPARED_HERE:
+            return result
+        if _Preparing.on:
+            _Preparing.on = False
+            log.warning(
+                "PostgreSQL answered that a statement this process prepared does not exist "
+                "on the connection (SQLSTATE 26000): the store is behind a pooler in "
+                "transaction mode. Statements are sent unprepared from now on; set "
+                "LEASEKEEPER_STORE_PREPARED_STATEMENTS=false to skip this warning")
+        return None
 
     def fetchone(self) -> tuple[Any, ...] | None:
         return self._rows.pop(0) if self._rows else None

@@ -196,7 +196,12 @@ def pg_connect_args(url: str, statement_timeout_ms: int) -> dict[str, Any]:
     options = {"connect_timeout": 5, "keepalives": 1, "keepalives_idle": 10,
                "keepalives_interval": 5, "keepalives_count": 3,
                "tcp_user_timeout": statement_timeout_ms}
-    return {name: value for name, value in options.items() if name not in given}
+    # psycopg's, not libpq's: sessions and migrations never prepare (psycopg would after a
+    # query's 5th run, as _pg3_N: behind a pooler in transaction mode that name may be
+    # missing on the next server connection, or be another client's statement). The hot
+    # path prepares its own, under names a pooled server cannot confuse (pq_cursor.py).
+    return {**{name: value for name, value in options.items() if name not in given},
+            "prepare_threshold": None}
 
 
 # How much longer than the statement timeout the hot path waits for an answer: the
@@ -288,9 +293,13 @@ class _RawTx:
 
 
 class Store:
-    def __init__(self, url: str, statement_timeout_s: float = 60.0) -> None:
+    def __init__(self, url: str, statement_timeout_s: float = 60.0,
+                 prepared_statements: bool = True) -> None:
         self.url = url
         self.statement_timeout_s = statement_timeout_s
+        # PostgreSQL's hot path: prepare its statements (False: a pooler in transaction
+        # mode; LEASEKEEPER_STORE_PREPARED_STATEMENTS)
+        self.prepared_statements = prepared_statements
         self.engine = make_engine(url, statement_timeout_s)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._skip_locked = self.engine.dialect.name == "postgresql"
@@ -391,7 +400,8 @@ class Store:
 
             conn.driver_connection.autocommit = True  # type: ignore[union-attr]
             cursor = PqCursor(conn.driver_connection,  # type: ignore[arg-type]
-                              self.statement_timeout_s + ANSWER_GRACE_S)
+                              self.statement_timeout_s + ANSWER_GRACE_S,
+                              prepare=self.prepared_statements)
         else:
             cursor = conn.cursor()
         hot = _HotConnection(conn, conn.driver_connection, cursor, time.monotonic(),

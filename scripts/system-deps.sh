@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Install the Debian packages the test suite runs for real: redis-server and postgresql;
+# Install the Debian packages the test suite runs for real: redis-server and postgresql
+# (and pgbouncer in front of it: the store behind a pooler);
 # docker-compose (it parses docker-compose.yml and drives the compose tests); docker.io
 # (Debian's dockerd, which scripts/dockerd.sh starts privately: no bridge, no iptables) and
 # debootstrap (the registry-free base image); prometheus (the server and promtool: the
@@ -10,6 +11,7 @@ set -euo pipefail
 need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1 || need+=(postgresql)
+[ -x /usr/sbin/pgbouncer ] || need+=(pgbouncer)
 command -v docker-compose >/dev/null 2>&1 || need+=(docker-compose)
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
@@ -37,6 +39,6 @@ fi
 trap '[ "$own_policy" = 1 ] && rm -f "$policy"' EXIT
 apt-get update -qq
 apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-for svc in redis-server postgresql prometheus prometheus-node-exporter docker.socket docker containerd; do
+for svc in redis-server postgresql pgbouncer prometheus prometheus-node-exporter docker.socket docker containerd; do
   if command -v systemctl >/dev/null 2>&1; then systemctl stop "$svc" >/dev/null 2>&1 || true; fi
 done

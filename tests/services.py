@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -167,3 +168,49 @@ def running(server: RedisServer | PostgresServer) -> Iterator[None]:
         yield
     finally:
         server.stop()
+
+
+@dataclass
+class PgBouncer:
+    """Debian's PgBouncer in front of a test PostgreSQL server (every database)."""
+
+    port: int
+    proc: subprocess.Popen[bytes]
+    workdir: Path
+
+    def url(self, database: str) -> str:
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/{database}"
+
+    def stop(self) -> None:
+        stop_process(self.proc, signal.SIGINT)  # SIGINT: shut down at once
+        shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def start_pgbouncer(postgres: PostgresServer, pool_mode: str = "transaction",
+                    pool_size: int = 2) -> PgBouncer:
+    """PgBouncer in ``pool_mode`` with ``pool_size`` server connections per database and
+    user: fewer than a worker's clients, so consecutive statements of one client land on
+    different server connections, as in production. Its files are in a folder of its own
+    that the postgres user can reach (pytest's tmp_path is root's alone)."""
+    workdir = Path(tempfile.mkdtemp(prefix="leasekeeper-pgbouncer-"))
+    workdir.chmod(0o755)
+    port = free_port()
+    (workdir / "users.txt").write_text('"postgres" ""\n')
+    config = workdir / "pgbouncer.ini"
+    config.write_text(
+        "[databases]\n"
+        f"* = host=127.0.0.1 port={postgres.port}\n"
+        "[pgbouncer]\n"
+        f"listen_addr = 127.0.0.1\nlisten_port = {port}\nunix_socket_dir =\n"
+        f"auth_type = trust\nauth_file = {workdir / 'users.txt'}\n"
+        f"pool_mode = {pool_mode}\ndefault_pool_size = {pool_size}\n"
+        "max_client_conn = 200\nserver_reset_query =\n"
+        f"logfile = {workdir / 'pgbouncer.log'}\n")
+    if os.geteuid() == 0:  # PgBouncer refuses to run as root
+        for path in (workdir, workdir / "users.txt", config):
+            shutil.chown(path, "postgres")
+    proc = subprocess.Popen(["/usr/sbin/pgbouncer", str(config)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            **_as_postgres())  # type: ignore[call-overload]
+    wait_for_port(port, 30, proc)
+    return PgBouncer(port, proc, workdir)

@@ -112,12 +112,17 @@ _runtime: Runtime | None = None
 _runtime_pid: int | None = None
 
 
+def open_store(settings: Settings) -> Store:
+    """The store as the settings describe it (worker, exporter, console, CLI)."""
+    return Store(settings.effective_store_url, settings.store_statement_timeout_s,
+                 prepared_statements=settings.store_prepared_statements)
+
+
 def get_runtime() -> Runtime:
     global _runtime, _runtime_pid
     if _runtime is None or _runtime_pid != os.getpid():
         settings = get_settings()
-        store = Store(settings.effective_store_url, settings.store_statement_timeout_s)
-        _runtime = Runtime(settings=settings, store=store)
+        _runtime = Runtime(settings=settings, store=open_store(settings))
         _runtime_pid = os.getpid()
     return _runtime
 

@@ -47,6 +47,12 @@ class Settings(BaseSettings):
     # stuck on a lock, say) and, 5 s later, the longest the lifecycle's hot path waits
     # for an answer (a server that stopped answering); the task then retries.
     store_statement_timeout_s: float = Field(default=60.0, gt=0, le=3600)
+    # PostgreSQL: the hot path prepares its few statements once per connection. Behind a
+    # pooler in transaction mode (PgBouncer before 1.21) a prepared statement may not be on
+    # the next server connection: false sends every statement unprepared (README: Behind
+    # PgBouncer). Left true, the first statement the server does not know turns preparing
+    # off for the process, with one warning, and is sent again unprepared.
+    store_prepared_statements: bool = True
     var_dir: Path = Path(".var")
     # Log lines as plain text, or one JSON object a line (workers/logs.py); worker and beat
     # write to log_file instead of stderr when it is set, rotated at log_file_max_bytes.

@@ -28,19 +28,20 @@ def run_migrations_online() -> None:
         connect_args=pg_connect_args(url, MIGRATION_USER_TIMEOUT_MS),
     )
     with connectable.connect() as connection:
-        if connection.dialect.name == "postgresql":
-            # One migration at a time (models/migrate.py): wait for any other to finish,
-            # then read the revision it left. A session lock, held until this connection
-            # closes (after the migrations' own transaction commits).
-            connection.execute(text("SELECT pg_advisory_lock(:key)"),
-                               {"key": ADVISORY_LOCK_KEY})
-            connection.commit()
         context.configure(
             connection=connection,
             target_metadata=Base.metadata,
             render_as_batch=connection.dialect.name == "sqlite",
         )
         with context.begin_transaction():
+            if connection.dialect.name == "postgresql":
+                # One migration at a time (models/migrate.py): wait for any other to
+                # finish, then read the revision it left. A transaction's lock, released
+                # by its commit or rollback: a session lock would outlive the upgrade on a
+                # pooler's server connection (PgBouncer in transaction mode) and make the
+                # next upgrade wait forever.
+                connection.execute(text("SELECT pg_advisory_xact_lock(:key)"),
+                                   {"key": ADVISORY_LOCK_KEY})
             context.run_migrations()
 
 

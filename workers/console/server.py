@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import uvicorn
 
-from models.store import Store
 from providers.errors import ConfigError
 from workers.console.app import build_app
 from workers.console.auth import parse_basic_auth
 from workers.preflight import cannot_listen
+from workers.runtime import open_store
 from workers.settings import Settings
 
 
@@ -22,7 +22,7 @@ def serve(settings: Settings, on_ready: Callable[[str], None] = print) -> None:
         raise ConfigError("LEASEKEEPER_FLOWER_BASIC_AUTH is not set: the console never runs "
                           "without basic auth; set it to user:password (the same as Flower's)")
     user, password = parse_basic_auth(settings.flower_basic_auth.get_secret_value())
-    store = Store(settings.effective_store_url, settings.store_statement_timeout_s)
+    store = open_store(settings)
     app = build_app(settings, store, user, password)
     try:
         # bound here, so a port in use is one line naming the setting (uvicorn would log

@@ -21,6 +21,7 @@ from models.store import Store
 from workers.metrics.collector import LeaseCollector, Pinger
 from workers.preflight import cannot_listen
 from workers.queues import serving
+from workers.runtime import open_store
 from workers.settings import Settings
 
 log = logging.getLogger("leasekeeper.metrics")
@@ -75,7 +76,7 @@ def build_registry(settings: Settings, store: Store,
 
 
 def serve(settings: Settings, on_ready: Callable[[str], None] = print) -> None:
-    store = Store(settings.effective_store_url, settings.store_statement_timeout_s)
+    store = open_store(settings)
     registry = build_registry(settings, store)
     try:
         server, thread = start_http_server(settings.metrics_port, settings.metrics_host,
