@@ -88,6 +88,10 @@ class Settings(BaseSettings):
     kube_job_active_deadline_s: int = Field(default=3600, gt=0)
     kube_job_ttl_after_finished_s: int = Field(default=900, ge=0)
     kube_request_timeout_s: float = Field(default=10.0, gt=0)
+    # A Job's acquire waits this long at most for the Job controller's word on its pod
+    # (made, or refused by a quota, a LimitRange, a webhook): an Event on the Job.
+    # 0: not checked at acquire (the resume check still reads it)
+    kube_job_pod_wait_s: float = Field(default=5.0, ge=0, le=300)
     # A workload still terminating (deletionTimestamp set) this long after its deletion
     # began is stuck (a slow or stuck garbage collector): sweep.orphans reports it and
     # destroys it again, which deletes its pods explicitly.

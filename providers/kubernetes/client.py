@@ -102,7 +102,9 @@ class WatchEvent:
 
 
 @dataclass(frozen=True)
-class PodList:
+class Listed:
+    """A list's items and its resourceVersion."""
+
     items: list[Obj]
     resource_version: str | None  # of the list: a watch from here misses nothing
 
@@ -338,25 +340,52 @@ class KubeApi:
     def list_pods(self, label_selector: str) -> list[Obj]:
         return self.list_pods_versioned(label_selector).items
 
-    def list_pods_versioned(self, label_selector: str) -> PodList:
+    def list_pods_versioned(self, label_selector: str) -> Listed:
         with self._errors("list", "pods", f"list Pods in {self.namespace} ({label_selector})"):
             listed = _json(self.core.list_namespaced_pod(
                 self.namespace, label_selector=label_selector, _preload_content=False,
                 _request_timeout=self._timeout))
         version = (listed.get("metadata") or {}).get("resourceVersion")
-        return PodList(list(listed.get("items") or []), str(version) if version else None)
+        return Listed(list(listed.get("items") or []), str(version) if version else None)
 
     def watch_pods(self, label_selector: str, resource_version: str | None,
                    timeout_s: int) -> Iterator[WatchEvent]:
         """Events for the pods matching ``label_selector`` after ``resource_version``; the
         server ends the stream after ``timeout_s``. 410 Expired surfaces as KubeExpired."""
+        return self._watch(self.core.list_namespaced_pod, "pods",
+                           f"watch Pods in {self.namespace} ({label_selector})",
+                           resource_version, timeout_s, label_selector=label_selector)
+
+    # -- events (of core/v1: what a controller said about an object) ---------------------
+    def list_events_versioned(self, field_selector: str) -> Listed:
+        """The Events matching ``field_selector`` (``involvedObject.uid=...``), and the
+        list's resourceVersion."""
+        with self._errors("list", "events",
+                          f"list Events in {self.namespace} ({field_selector})"):
+            listed = _json(self.core.list_namespaced_event(
+                self.namespace, field_selector=field_selector, _preload_content=False,
+                _request_timeout=self._timeout))
+        version = (listed.get("metadata") or {}).get("resourceVersion")
+        return Listed(list(listed.get("items") or []), str(version) if version else None)
+
+    def watch_events(self, field_selector: str, resource_version: str | None,
+                     timeout_s: int) -> Iterator[WatchEvent]:
+        return self._watch(self.core.list_namespaced_event, "events",
+                           f"watch Events in {self.namespace} ({field_selector})",
+                           resource_version, timeout_s, field_selector=field_selector)
+
+    def _watch(self, list_call: Callable[..., Any], resource: str, action: str,
+               resource_version: str | None, timeout_s: int, **selector: str,
+               ) -> Iterator[WatchEvent]:
+        """One watch of ``list_call`` after ``resource_version``; the server ends the
+        stream after ``timeout_s``. 410 Expired surfaces as KubeExpired."""
         watcher = kube_watch.Watch()  # type: ignore[no-untyped-call]
         stream = watcher.stream(  # type: ignore[no-untyped-call]
-            self.core.list_namespaced_pod, self.namespace, label_selector=label_selector,
-            resource_version=resource_version, timeout_seconds=timeout_s,
-            allow_watch_bookmarks=True,
-            _request_timeout=(self.request_timeout_s, timeout_s + self.request_timeout_s))
-        with self._errors("watch", "pods", f"watch Pods in {self.namespace} ({label_selector})"):
+            list_call, self.namespace, resource_version=resource_version,
+            timeout_seconds=timeout_s, allow_watch_bookmarks=True,
+            _request_timeout=(self.request_timeout_s, timeout_s + self.request_timeout_s),
+            **selector)
+        with self._errors("watch", resource, action):
             try:
                 for event in stream:
                     yield WatchEvent(str(event["type"]), dict(event["raw_object"]))

@@ -67,6 +67,7 @@ from providers.kubernetes.errors import (
     KubeCommandInterrupted,
     KubeNotFound,
 )
+from providers.kubernetes.job_start import JobStart, job_start
 from providers.kubernetes.manifests import (
     ANNOTATION_LEASE_ID,
     CONTAINER_NAME,
@@ -178,7 +179,7 @@ class KubernetesProvider:
 
     def __init__(self, api: KubeApi, defaults: WorkloadDefaults, installation: str,
                  default_backend: Backend = Backend.SANDBOX_CR, *,
-                 terminating_limit_s: float = 600.0,
+                 terminating_limit_s: float = 600.0, job_pod_wait_s: float = 5.0,
                  clock: Callable[[], float] = time.monotonic,
                  now: Callable[[], datetime] = lambda: datetime.now(UTC),
                  token_factory: Callable[[], str] = lambda: secrets.token_urlsafe(32)) -> None:
@@ -187,6 +188,7 @@ class KubernetesProvider:
         self.installation = installation
         self.default_backend = default_backend
         self.terminating_limit_s = terminating_limit_s
+        self.job_pod_wait_s = job_pod_wait_s
         self._clock = clock
         self._now = now
         self._token = token_factory
@@ -261,11 +263,16 @@ class KubernetesProvider:
                     # A pool member is claimed by an exec into its pod: it must run first.
                     info["pod_name"] = self._await_job_pod(workload.obj, deadline,
                                                            request.timeout_s)
+                case Backend.JOB if self.job_pod_wait_s > 0:
+                    # Pending is fine for a Job (the seed's resume check says so), but a
+                    # pod the API server refuses is not: wait briefly for the controller's
+                    # word on it (job_start.py).
+                    verdict = job_start(self.api, workload.obj, min(
+                        self.job_pod_wait_s, max(deadline - self._clock(), 0.0)), self._clock)
+                    if verdict.outcome is JobStart.REFUSED:
+                        raise verdict.error(request.name)
                 case Backend.JOB:
-                    # Pending is fine for a Job (the seed's resume check says so), and its
-                    # pod does not exist yet this early: resume_check and list_managed find
-                    # it by label when they need it, so no request is spent here.
-                    pass
+                    pass  # not checked (LEASEKEEPER_KUBE_JOB_POD_WAIT_S=0)
         except Exception as exc:
             self._cleanup_failed_acquire(request.lease_id, LeaseHandle(request.name,
                                                                        backend.value, info), exc)
@@ -516,6 +523,11 @@ class KubernetesProvider:
                 return ResumeResult.not_resumable("Job no longer exists")
             case JobPhase.PENDING | JobPhase.RUNNING:
                 pod = self._job_pod(job, api)
+                if pod is None:  # none yet, or refused: the controller's Events say which
+                    verdict = job_start(api, job, 0, self._clock)
+                    if verdict.outcome is JobStart.REFUSED:
+                        return ResumeResult.not_resumable(
+                            f"the pod of Job {name} was refused: {verdict.message[:300]}")
                 return ResumeResult.resumable(
                     pod_name=name_of(pod) if pod else None,
                     phase="Running" if phase is JobPhase.RUNNING else "Pending",
@@ -857,4 +869,5 @@ def build_kubernetes_provider(settings: Settings) -> KubernetesProvider:
                   settings.kube_request_timeout_s, settings.kube_sandbox_api_version)
     return KubernetesProvider(api, WorkloadDefaults.from_settings(settings),
                               settings.installation_id, Backend(settings.kube_backend),
-                              terminating_limit_s=settings.kube_terminating_limit_s)
+                              terminating_limit_s=settings.kube_terminating_limit_s,
+                              job_pod_wait_s=settings.kube_job_pod_wait_s)

@@ -359,7 +359,9 @@ def test_request_counts_per_operation(kenv: KubeEnv, capsys: pytest.CaptureFixtu
     # delete the workload (Foreground, by uid), list its pods by label, delete the pod (by
     # uid: a stuck GC would keep it running), delete the Secret (by uid)
     assert counts["destroy sandbox-cr"] == 4
-    assert counts["acquire job"] == 2  # create Job, create Secret (its pod comes later)
+    # create Job, create Secret, list the Job's Events (and watch them while the Job
+    # controller has not yet said whether it made the pod)
+    assert counts["acquire job"] in (3, 4)
     assert counts["resume_check live job"] == 2  # read Job, list pods
     assert counts["destroy job"] == 4
     assert counts["list_managed"] == 4

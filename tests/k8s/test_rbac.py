@@ -285,8 +285,23 @@ NEEDS: dict[tuple[str, str], tuple[Setup, Operation]] = {
 NEEDS_STOPPED_CONTROLLERS = {("pods", "watch")}
 
 
+# Rules the provider uses when it has them and does without otherwise (said once): a Job's
+# acquire reads the Job controller's Events on it (tests/k8s/test_provider_job_pod_refused.py)
+OPTIONAL = {("events", "list"), ("events", "watch")}
+
+
 def test_every_rule_of_the_role_is_used_by_an_operation() -> None:
-    assert sorted((resource, verb) for _, resource, verb in role_rules()) == sorted(NEEDS)
+    assert sorted((resource, verb) for _, resource, verb in role_rules()) == sorted(
+        [*NEEDS, *OPTIONAL])
+
+
+def test_the_deploy_role_without_events_still_acquires_a_job(
+        worker_factory: Callable[..., Worker], kenv: KubeEnv) -> None:
+    # given the Role without its optional rules
+    worker = worker_factory(*sorted(OPTIONAL))
+    # when a Job is acquired; then it is, as before the provider read Events
+    request = _job(kenv)
+    assert worker.provider.acquire(request).outcome is AcquireOutcome.CREATED
 
 
 @pytest.mark.parametrize(("resource", "verb"), sorted(NEEDS))
