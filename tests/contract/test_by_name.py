@@ -308,6 +308,11 @@ MALFORMED: list[tuple[str, str, dict[str, Any] | None, list[Any] | None, tuple[s
      ("valid dictionary",)),
     ("acquire reuse 'yes'", "lease.acquire", {"run_id": "r-1", "spec": {"reuse": "yes"}}, None,
      ("reuse", "valid boolean")),
+    # reuse keyed by the tenant alone would hand one run's sandbox to every other
+    ("acquire reuse without thread or key", "lease.acquire",
+     {"run_id": "r-1", "spec": {"reuse": True, "tenant": "acme",
+                                "secret_env": {"TOK": SECRETS["RAW_KEY"]}}}, None,
+     ("reuse needs thread_id or sandbox_key",)),
     ("acquire ttl_s '60'", "lease.acquire", {"run_id": "r-1", "spec": {"ttl_s": "60"}}, None,
      ("ttl_s", "valid integer")),
     ("acquire 100 KB env value", "lease.acquire",
