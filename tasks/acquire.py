@@ -51,7 +51,7 @@ from providers.errors import (
     provider_bug,
 )
 from providers.spec import SandboxSpec, check_id, parse_spec
-from tasks import pool_claim
+from tasks import pool_claim, secret_marks
 from tasks.base import LeaseTask
 from tasks.destroy import destroy_lease
 from tasks.leases import handle, later, new_lease_id, sandbox_key
@@ -394,6 +394,8 @@ def acquire(self: LeaseTask, run_id: str, spec: dict[str, Any] | None = None) ->
 
     try:
         with self.retrying(before_retry=keep_provisioning):
+            if parsed.secret_env:  # before the sandbox has them: any finish can scrub them
+                secret_marks.leave(rt, run_id, parsed.thread_id, parsed.secret_values())
             done = acquire_lease(rt, run_id, parsed, self.request.id, self.may_retry)
     except Retry:
         raise

@@ -23,6 +23,7 @@ task events (Flower), ``celery inspect`` answers and log lines. So the worker re
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import re
@@ -37,7 +38,7 @@ from celery.worker.request import Request
 
 from providers.spec import REDACTED
 
-SECRET_FIELDS = frozenset({"secret_env"})
+SECRET_FIELDS = frozenset({"secret_env"})  # the field a valid spec carries secrets in
 REPR_MAX_CHARS = 1024  # what Flower, events and logs show of a task's arguments
 SMALL_BODY_BYTES = 16 * 1024  # a message body this small has its reprs built the quick way
 LOG_MAX_CHARS = 4000  # one log message (its traceback is cut separately)
@@ -48,12 +49,27 @@ MIN_SCANNED_SECRET_CHARS = 6
 _KNOWN_MAX = 1024
 
 
+@functools.lru_cache(maxsize=1024)
+def _secret_name(name: str) -> bool:
+    return "secret" in _SEPARATORS.sub("", name.lower())
+
+
+_SEPARATORS = re.compile(r"[^a-z0-9]")
+
+
+def is_secret_field(key: object) -> bool:
+    """``secret_env``, and any other key whose name says "secret" in any case, with any
+    separator (``secretEnv``, ``Secret-Env``): a payload that misspells the field is
+    refused, but its values must not show while it is reported."""
+    return key in SECRET_FIELDS or (isinstance(key, str) and _secret_name(key))
+
+
 def redact(value: Any) -> Any:
     """A copy of task arguments with every secret value replaced by ``***``."""
     if isinstance(value, dict):
         return {
-            k: (dict.fromkeys(map(str, v), REDACTED) if k in SECRET_FIELDS and isinstance(v, dict)
-                else REDACTED if k in SECRET_FIELDS else redact(v))
+            k: (dict.fromkeys(map(str, v), REDACTED) if is_secret_field(k) and isinstance(v, dict)
+                else REDACTED if is_secret_field(k) else redact(v))
             for k, v in value.items()
         }
     if isinstance(value, list | tuple):
@@ -62,11 +78,11 @@ def redact(value: Any) -> Any:
 
 
 def secret_values(value: Any) -> list[str]:
-    """Every string found under a ``secret_env`` key, at any depth."""
+    """Every string found under a secret field (``is_secret_field``), at any depth."""
     found: list[str] = []
     if isinstance(value, dict):
         for k, v in value.items():
-            if k in SECRET_FIELDS:
+            if is_secret_field(k):
                 found.extend(_strings(v))
             else:
                 found.extend(secret_values(v))

@@ -16,6 +16,7 @@ from models.schema import RunStatus
 from models.store import RunChange
 from providers.errors import InvalidRequest
 from providers.spec import check_id
+from tasks import secret_marks
 from tasks.base import LeaseTask
 from tasks.leases import later
 from tasks.reclaim import reclaim
@@ -37,14 +38,18 @@ REPLACEMENT = "\N{REPLACEMENT CHARACTER}"
 _UNSTORABLE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
 
 
-def clean_error(error: str | None) -> str | None:
+def clean_error(error: str | None, marks: secret_marks.Marks | None = None) -> str | None:
     """The error text a run records: every secret this process knows of and every
-    ``secret_env`` dump scrubbed (tasks/redaction.py), before the cut, so no part of a
-    secret the cut would split survives; characters no store holds replaced by U+FFFD;
-    at most ERROR_MAX_CHARS, the cut said at its end."""
+    ``secret_env`` dump scrubbed (tasks/redaction.py), and with ``marks`` every secret of
+    the run and its thread, whichever process saw them (tasks/secret_marks.py), before the
+    cut, so no part of a secret the cut would split survives; characters no store holds
+    replaced by U+FFFD; at most ERROR_MAX_CHARS, the cut said at its end."""
     if error is None:
         return None
-    text = _UNSTORABLE.sub(REPLACEMENT, scrub_text(error))
+    text = scrub_text(error)
+    if marks is not None:
+        text = secret_marks.scrub(text, marks, limit_chars=ERROR_MAX_CHARS)
+    text = _UNSTORABLE.sub(REPLACEMENT, text)
     if len(text) <= ERROR_MAX_CHARS:
         return text
     note = f"... [{len(text)} characters; the rest cut]"
@@ -78,9 +83,12 @@ def finish(
     rt: Runtime, run_id: str, status: RunStatus, exit_code: int | None, error: str | None
 ) -> tuple[RunChange, bool]:
     """Finish the run; return whether it changed and whether a reclaim is now due. The
-    error is recorded as :func:`clean_error` makes it (it may come from any caller)."""
-    error = clean_error(error)
+    error is recorded as :func:`clean_error` makes it (it may come from any caller), with
+    the secret marks of the run and its thread: BrokerUnavailable (transient) when they
+    cannot be read, and nothing is stored."""
     run = rt.store.get_run(run_id)
+    if error:
+        error = clean_error(error, secret_marks.load(rt, run_id, run.thread_id if run else None))
     lease = rt.store.find_lease(run.lease_id) if run and run.lease_id else None
     reclaim_due = status != RunStatus.INTERRUPTED and not (lease is not None and lease.reuse)
     change = rt.store.finish_run(run_id, status, exit_code, error, reclaim_due=reclaim_due,

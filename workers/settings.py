@@ -69,6 +69,9 @@ class Settings(BaseSettings):
     provider: str = "local"
     providers: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["local"])
     installation_id: str = "default"
+    # The key of the secret marks' digests (tasks/secret_marks.py); the same on every
+    # worker of the installation. Unset: derived from installation_id (no secret).
+    secret_marks_key: SecretStr | None = None
     local_root_dir: Path | None = None
     local_destroy_grace_s: float = Field(default=5.0, gt=0)
     faults_file: Path | None = None  # the `faulty` provider's fault plan (tests only)

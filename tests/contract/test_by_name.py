@@ -38,11 +38,13 @@ pytestmark = pytest.mark.timeout(600)
 # Each value's random middle is what the leak checks look for, however it was escaped.
 CORES = {name: uuid.uuid4().hex for name in (
     "API_TOKEN", "DB_PASSWORD", "RETRY_KEY", "FAILED_KEY", "DESTROY_KEY", "UNKNOWN_KEY",
-    "POSITIONAL_KEY", "BADSPEC_KEY", "NOCMD_KEY", "EXTRA_KEY", "SCHEDULED_KEY", "RAW_KEY")}
+    "POSITIONAL_KEY", "BADSPEC_KEY", "NOCMD_KEY", "EXTRA_KEY", "SCHEDULED_KEY", "RAW_KEY",
+    "CAMEL_KEY", "DASH_KEY", "TOP_KEY")}
 SECRETS = {name: f"{name.lower()}-{CORES[name]}" + tail for name, tail in [
     ("API_TOKEN", ""), ("DB_PASSWORD", "'q\"}{\\"), ("RETRY_KEY", ""), ("FAILED_KEY", ""),
     ("DESTROY_KEY", ""), ("UNKNOWN_KEY", ""), ("POSITIONAL_KEY", ""), ("BADSPEC_KEY", ""),
     ("NOCMD_KEY", ""), ("EXTRA_KEY", ""), ("SCHEDULED_KEY", ""), ("RAW_KEY", ""),
+    ("CAMEL_KEY", ""), ("DASH_KEY", "'q\"}{\\"), ("TOP_KEY", ""),
 ]}
 MAX_ERROR_CHARS = 400
 
@@ -145,6 +147,13 @@ def sent(contract: Contract) -> dict[str, Any]:
         "NOCMD_KEY", command=["no-such-command-here", "--flag"])})
     out["extra"] = send("lease.acquire", {"run_id": rid("extra"), "spec": {},
                                           "secret_env": {"EXTRA_KEY": SECRETS["EXTRA_KEY"]}})
+    # The secret field misspelt: refused, and its values hidden wherever it is reported.
+    out["camel"] = send("lease.acquire", {"run_id": rid("camel"), "spec": {
+        "secretEnv": {"CAMEL_KEY": SECRETS["CAMEL_KEY"]}, "env": {"VISIBLE": "yes"}}})
+    out["dash"] = send("lease.acquire", {"run_id": rid("dash"), "spec": {
+        "secret-env": {"DASH_KEY": SECRETS["DASH_KEY"]}}})
+    out["top"] = send("lease.acquire", {"run_id": rid("top"), "spec": {},
+                                        "Secret-Env": {"TOP_KEY": SECRETS["TOP_KEY"]}})
 
     # A message that is not even JSON (cut short), for a real task name: Celery logs it.
     task_id = str(uuid.uuid4())
@@ -197,6 +206,9 @@ def test_failure_paths_fail_loudly_and_briefly(sent: dict[str, Any]) -> None:
     refused(sent["bad_spec"], "reuse", "valid boolean")
     refused(sent["no_command"], "'no-such-command-here'", "not found")
     refused(sent["extra"], "unknown field(s) 'secret_env'")
+    refused(sent["camel"], "secretEnv", "Extra inputs are not permitted")
+    refused(sent["dash"], "secret-env", "Extra inputs are not permitted")
+    refused(sent["top"], "unknown field(s) 'Secret-Env'")
 
 
 def test_not_one_secret_anywhere(contract: Contract, sent: dict[str, Any]) -> None:
@@ -308,6 +320,11 @@ MALFORMED: list[tuple[str, str, dict[str, Any] | None, list[Any] | None, tuple[s
      ("valid dictionary",)),
     ("acquire reuse 'yes'", "lease.acquire", {"run_id": "r-1", "spec": {"reuse": "yes"}}, None,
      ("reuse", "valid boolean")),
+    # reuse keyed by the tenant alone would hand one run's sandbox to every other
+    ("acquire reuse without thread or key", "lease.acquire",
+     {"run_id": "r-1", "spec": {"reuse": True, "tenant": "acme",
+                                "secret_env": {"TOK": SECRETS["RAW_KEY"]}}}, None,
+     ("reuse needs thread_id or sandbox_key",)),
     ("acquire ttl_s '60'", "lease.acquire", {"run_id": "r-1", "spec": {"ttl_s": "60"}}, None,
      ("ttl_s", "valid integer")),
     ("acquire 100 KB env value", "lease.acquire",

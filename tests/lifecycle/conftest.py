@@ -10,12 +10,14 @@ import pytest
 
 from models.store import Store
 from providers.faulty import FaultPlan
+from tests.services import RedisServer
 from workers.runtime import Runtime
 from workers.settings import Settings
 
 
 @pytest.fixture
-def rt(store_url: str, tmp_path: Path) -> Iterator[Runtime]:
+def rt(store_url: str, tmp_path: Path, redis_server: RedisServer) -> Iterator[Runtime]:
+    # Redis: run.finish reads the run's secret marks there (tasks/secret_marks.py)
     settings = Settings(
         store_url=store_url, var_dir=tmp_path, local_root_dir=tmp_path / "sandboxes",
         providers=["local", "faulty", "noop"], faults_file=tmp_path / "faults.json",

@@ -19,6 +19,7 @@ from tasks.redaction import (
     remember,
     scrub_exception,
     scrub_text,
+    secret_values,
 )
 
 CORE = uuid.uuid4().hex
@@ -51,6 +52,19 @@ def test_redact_handles_secret_env_of_any_type_and_in_lists() -> None:
     assert redact([{"secret_env": "a-string"}]) == [{"secret_env": "***"}]
     assert redact({"secret_env": [["K", "v"]]}) == {"secret_env": "***"}
     assert redact({"spec": {"secret_env": {"K": "v"}}}) == {"spec": {"secret_env": {"K": "***"}}}
+
+
+@pytest.mark.parametrize("field", ["secretEnv", "secret-env", "SECRET_ENV", "Secret Env",
+                                   "my_secrets", "secret"])
+def test_a_misspelt_secret_field_is_redacted_and_its_values_known(field: str) -> None:
+    # refused by validation, but reported (events, Flower, logs) with its values hidden
+    value = f"misspelt-{uuid.uuid4().hex}"
+    spec = {"spec": {field: {"TOKEN": value}, "env": {"VISIBLE": "yes"}}, field: value}
+    assert redact(spec) == {"spec": {field: {"TOKEN": "***"}, "env": {"VISIBLE": "yes"}},
+                            field: "***"}
+    assert value not in bounded_repr(spec)
+    assert secret_values(spec) == [value, value]
+    assert redact({"envs": {"X": "shown"}}) == {"envs": {"X": "shown"}}
 
 
 def test_a_known_secret_value_is_scrubbed_from_any_text_and_exception() -> None:

@@ -1,0 +1,145 @@
+"""Secret marks: what lets any worker scrub a run's secrets from the error it stores.
+
+Only the pool process that ran an acquire has seen its ``secret_env`` values (the
+per-process value-scan of tasks/redaction.py). ``run.finish`` may run anywhere: the other
+pool process, another host, a worker restarted since. So each acquire carrying secrets
+leaves *marks* in the broker's Redis, keyed per run and per thread (a later run of the
+thread shares the sandbox, and its environment), kept ``MARKS_TTL_S``: for each value, its
+length and a keyed BLAKE2b digest of it, never the value. ``run.finish`` loads the marks of
+its run and thread and replaces every window of the error text whose digest is a mark
+(:func:`scrub`). Marks that cannot be read raise ``BrokerUnavailable`` (transient: the
+finish is retried), so an error is never stored unsearched.
+
+The digest key is ``LEASEKEEPER_SECRET_MARKS_KEY`` when set (every worker of the
+installation must have the same); else one derived from the installation id, which keeps
+installations apart but is no secret: set the key where Redis is read by anyone who must
+not guess a short secret from its mark.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+import redis
+
+from providers.errors import BrokerUnavailable
+from providers.spec import REDACTED
+from tasks.redaction import MIN_SCANNED_SECRET_CHARS
+from workers.runtime import Runtime
+from workers.settings import Settings
+
+MARKS_TTL_S = 7 * 24 * 3600  # longer than any run is expected to last, then gone
+DIGEST_BYTES = 16
+_PERSON = b"lk-secret-mark"  # BLAKE2b personalization: these digests are for nothing else
+
+
+def digest_key(settings: Settings) -> bytes:
+    """The BLAKE2b key of this installation's marks (at most 64 bytes)."""
+    given = settings.secret_marks_key
+    seed = (given.get_secret_value() if given is not None
+            else f"leasekeeper installation {settings.installation_id}")
+    return hashlib.blake2b(seed.encode(), person=b"lk-marks-key").digest()
+
+
+def digest(key: bytes, value: str) -> str:
+    return hashlib.blake2b(value.encode("utf-8", "surrogatepass"), key=key,
+                           digest_size=DIGEST_BYTES, person=_PERSON).hexdigest()
+
+
+def marks_of(key: bytes, values: Iterable[str]) -> set[str]:
+    """``"<length>:<digest>"`` of each value long enough to be searched for in text."""
+    return {f"{len(v)}:{digest(key, v)}" for v in values if len(v) >= MIN_SCANNED_SECRET_CHARS}
+
+
+def _run_key(settings: Settings, run_id: str) -> str:
+    return f"leasekeeper:{settings.installation_id}:secret-marks:run:{run_id}"
+
+
+def _thread_key(settings: Settings, thread_id: str) -> str:
+    return f"leasekeeper:{settings.installation_id}:secret-marks:thread:{thread_id}"
+
+
+def _unreachable(rt: Runtime, doing: str, exc: redis.RedisError) -> BrokerUnavailable:
+    from tasks.producer import broker_unreachable  # the URL, its setting, the fix
+
+    reason = broker_unreachable(rt.settings.effective_broker_url, exc, sending=False)
+    return BrokerUnavailable(f"secret marks: could not {doing}: {reason}")
+
+
+def leave(rt: Runtime, run_id: str, thread_id: str | None, secrets: Mapping[str, str]) -> None:
+    """Record the marks of an acquire's secret values for its run and thread (idempotent;
+    each write renews the TTL). BrokerUnavailable when Redis cannot take them."""
+    marks = marks_of(digest_key(rt.settings), secrets.values())
+    if not marks:
+        return
+    keys = [_run_key(rt.settings, run_id)]
+    if thread_id is not None:
+        keys.append(_thread_key(rt.settings, thread_id))
+    try:
+        with rt.redis().pipeline(transaction=True) as pipe:
+            for key in keys:
+                pipe.sadd(key, *marks)
+                pipe.expire(key, MARKS_TTL_S)
+            pipe.execute()
+    except redis.RedisError as exc:
+        raise _unreachable(rt, f"record the marks of run {run_id}", exc) from None
+
+
+@dataclass(frozen=True)
+class Marks:
+    """The digest key and the marks to search for, by length (longest first)."""
+
+    key: bytes
+    by_length: dict[int, frozenset[str]]
+
+    @classmethod
+    def of(cls, key: bytes, marks: Iterable[str]) -> Marks:
+        by_length: dict[int, set[str]] = {}
+        for mark in marks:
+            length, _, hexdigest = mark.partition(":")
+            if length.isdigit() and hexdigest:
+                by_length.setdefault(int(length), set()).add(hexdigest)
+        return cls(key, {n: frozenset(by_length[n]) for n in sorted(by_length, reverse=True)})
+
+
+def load(rt: Runtime, run_id: str, thread_id: str | None) -> Marks:
+    """The marks of the run and its thread. BrokerUnavailable when Redis cannot be read:
+    the caller must not store the text unsearched."""
+    keys = [_run_key(rt.settings, run_id)]
+    if thread_id is not None:
+        keys.append(_thread_key(rt.settings, thread_id))
+    try:
+        with rt.redis().pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.smembers(key)
+            found: set[bytes] = set().union(*pipe.execute())
+    except redis.RedisError as exc:
+        raise _unreachable(rt, f"read the marks of run {run_id}", exc) from None
+    return Marks.of(digest_key(rt.settings), (m.decode("ascii", "replace") for m in found))
+
+
+def scrub(text: str, marks: Marks, limit_chars: int | None = None) -> str:
+    """``text`` with every window whose digest is a mark replaced by ``***`` (the longest
+    mark first at each position). With ``limit_chars``, the scan stops once that much of
+    the result is written: the rest, left as it was, is for a caller that cuts it off."""
+    if not marks.by_length:
+        return text
+    out: list[str] = []
+    written = i = 0
+    while i < len(text):
+        if limit_chars is not None and written > limit_chars:
+            out.append(text[i:])
+            break
+        for length, digests in marks.by_length.items():
+            if i + length <= len(text) and digest(marks.key, text[i:i + length]) in digests:
+                out.append(REDACTED)
+                written += len(REDACTED)
+                i += length
+                break
+        else:
+            out.append(text[i])
+            written += 1
+            i += 1
+    return "".join(out)

@@ -1,0 +1,188 @@
+"""A run's error is scrubbed of its secrets whichever worker stores it (tasks/secret_marks.py).
+
+Through real workers on real Redis and SQLite: the worker that ran an acquire is killed,
+and a new one, which never saw the secret, stores a finish quoting it; a later run of the
+thread quotes the first run's secret; the marks cannot be read at finish (the worker's
+Redis connection drops every command on them): the finish is retried, then fails, and the
+error is not stored. Redis never holds a secret in clear.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from providers.errors import BrokerUnavailable
+from tests.contract.test_by_name import redis_dump
+from tests.e2e.conftest import eventually
+from tests.services import RedisServer
+from tests.stack import WorkerStack, sending_to
+from workers.app import app
+
+pytestmark = pytest.mark.timeout(300)
+CORE = uuid.uuid4().hex
+SECRET = f"tok-{CORE}"
+OTHER = f"other-{uuid.uuid4().hex}"
+
+
+class DroppingProxy:
+    """A TCP relay in front of Redis. While ``drop`` is set, a connection whose client
+    sends bytes containing it is closed before they reach Redis (the client sees a dropped
+    connection), every time; everything else passes."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self.listener.getsockname()[1])
+        self.drop: bytes | None = None
+        self.dropped = 0
+        self._socks: list[socket.socket] = []
+        self._lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        with contextlib.suppress(OSError):  # the listener closed: the test is over
+            while True:
+                client = self.listener.accept()[0]
+                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+                with self._lock:
+                    self._socks += [client, upstream]
+                threading.Thread(target=self._pipe, args=(client, upstream, True),
+                                 daemon=True).start()
+                threading.Thread(target=self._pipe, args=(upstream, client, False),
+                                 daemon=True).start()
+
+    def _pipe(self, src: socket.socket, dst: socket.socket, inspect: bool) -> None:
+        tail = b""
+        with contextlib.suppress(OSError):
+            while chunk := src.recv(65536):
+                drop = self.drop
+                if inspect and drop is not None and drop in tail + chunk:
+                    self.dropped += 1
+                    break
+                tail = chunk[-64:]
+                dst.sendall(chunk)
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def stop(self) -> None:
+        self.listener.close()
+        with self._lock:
+            for sock in self._socks:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+
+
+@pytest.fixture
+def marks_stack(redis_server: RedisServer, tmp_path: Path
+                ) -> Iterator[tuple[WorkerStack, DroppingProxy]]:
+    """Workers whose every Redis connection goes through the proxy, on a queue and an
+    installation of their own; this test process talks to Redis directly."""
+    from models.migrate import upgrade
+
+    name = f"marks-{uuid.uuid4().hex[:8]}"
+    store_url = f"sqlite:///{tmp_path / 'store.db'}"
+    upgrade(store_url)
+    proxy = DroppingProxy(redis_server.port)
+    stack = WorkerStack(name=name, store_url=store_url, root=tmp_path,
+                        broker_url=f"redis://127.0.0.1:{proxy.port}/0",
+                        extra_env={"LEASEKEEPER_TASK_QUEUE": name,
+                                   "LEASEKEEPER_INSTALLATION_ID": name,
+                                   "LEASEKEEPER_SECRET_MARKS_KEY": uuid.uuid4().hex})
+    with sending_to(name):
+        try:
+            yield stack, proxy
+        finally:
+            stack.stop()
+            proxy.stop()
+
+
+def by_name(name: str, **kwargs: Any) -> Any:
+    """As a web backend sends it (this process knows no secret: nothing scrubs it here)."""
+    return app.send_task(name, kwargs=kwargs).get(90)
+
+
+def acquire(run_id: str, **spec: Any) -> str:
+    return str(by_name("lease.acquire", run_id=run_id,
+                       spec={"provider": "noop", **spec})["lease_id"])
+
+
+def all_acked(stack: WorkerStack, redis_server: RedisServer) -> None:
+    """Wait until the worker acked every message it took from the stack's queue (a task's
+    result is stored before its message is acked): until then Redis holds the message, and
+    its arguments, as any broker does."""
+    client = redis.Redis.from_url(redis_server.url)
+    queue = stack.name.encode()
+    eventually(lambda: not any(queue in v for v in client.hvals("unacked")), 60,
+               f"the worker to ack every message of {stack.name}")
+
+
+def test_a_finish_stored_by_another_worker_is_scrubbed_for_the_run_and_its_thread(
+        marks_stack: tuple[WorkerStack, DroppingProxy], redis_server: RedisServer) -> None:
+    stack, _ = marks_stack
+    rt = stack.runtime()
+    first = stack.start_worker(concurrency=1)
+    thread = f"th-{uuid.uuid4().hex[:8]}"
+    run_a, run_b = f"run-a-{uuid.uuid4().hex[:8]}", f"run-b-{uuid.uuid4().hex[:8]}"
+    acquire(run_a, thread_id=thread, secret_env={"API_TOKEN": SECRET})
+    # The only process that saw the secret dies; a new worker stores the finish.
+    all_acked(stack, redis_server)  # else the acquire is redelivered to the new worker
+    stack.kill_worker(first)
+    stack.start_worker(concurrency=1)
+    by_name("run.finish", run_id=run_a, status="failed", exit_code=1,
+            error=f"401 from api: Authorization: Bearer {SECRET} refused")
+    stored = rt.store.get_run(run_a)
+    assert stored is not None and stored.error == "401 from api: Authorization: Bearer *** refused"
+
+    # A later run of the thread, with secrets of its own, quotes the first run's secret.
+    acquire(run_b, thread_id=thread, secret_env={"OTHER_TOKEN": OTHER})
+    by_name("run.finish", run_id=run_b, status="failed", exit_code=2,
+            error=f"env dump: API_TOKEN={SECRET}\nOTHER_TOKEN={OTHER}")
+    stored = rt.store.get_run(run_b)
+    assert stored is not None and stored.error == "env dump: API_TOKEN=***\nOTHER_TOKEN=***"
+
+    # The marks are in Redis, per run and per thread, for a week at most; no secret is.
+    client = redis.Redis.from_url(redis_server.url)
+    prefix = f"leasekeeper:{stack.name}:secret-marks"
+    for key in (f"{prefix}:run:{run_a}", f"{prefix}:thread:{thread}"):
+        assert client.smembers(key) and 0 < client.ttl(key) <= 7 * 24 * 3600, key
+    all_acked(stack, redis_server)
+    dump = redis_dump(redis_server.url)
+    assert prefix in dump
+    shown = [line[:300] for line in dump.splitlines() if CORE in line or OTHER in line]
+    assert not shown, shown
+
+
+def test_a_finish_that_cannot_read_the_marks_is_retried_and_stores_nothing(
+        marks_stack: tuple[WorkerStack, DroppingProxy]) -> None:
+    stack, proxy = marks_stack
+    rt = stack.runtime()
+    stack.start_worker(concurrency=1)
+    run_id = f"run-c-{uuid.uuid4().hex[:8]}"
+    acquire(run_id, thread_id=f"th-{uuid.uuid4().hex[:8]}", secret_env={"API_TOKEN": SECRET})
+    proxy.drop = b"secret-marks"  # Redis is unreachable for the marks, and only for them
+    sent = app.send_task("run.finish", kwargs={"run_id": run_id, "status": "failed",
+                                               "error": f"token {SECRET} rejected"})
+    with pytest.raises(BrokerUnavailable, match="could not read the marks of run"):
+        sent.get(90)
+    assert proxy.dropped >= 1
+    log = stack.logfile.read_text(errors="replace")
+    assert f"run.finish[{sent.id}] transient failure, retry 1" in log
+    stored = rt.store.get_run(run_id)
+    assert stored is not None and stored.status == "running" and stored.error is None
+
+    proxy.drop = None  # Redis answers again: the next finish stores the error, scrubbed
+    by_name("run.finish", run_id=run_id, status="failed", error=f"token {SECRET} rejected")
+    stored = rt.store.get_run(run_id)
+    assert stored is not None and stored.error == "token *** rejected"
