@@ -217,7 +217,7 @@ class KubernetesProvider:
                        version or self.api.sandbox_api_version)
 
     def _identity(self, request: AcquireRequest) -> LeaseIdentity:
-        if len(request.name) > NAME_MAX or not DNS_LABEL.match(request.name):
+        if len(request.name) > NAME_MAX or not DNS_LABEL.fullmatch(request.name):
             raise InvalidRequest(
                 f"kubernetes: lease name {request.name!r} is not a DNS-1123 label of at most "
                 f"{NAME_MAX} characters; use provider.lease_name(lease_id)")

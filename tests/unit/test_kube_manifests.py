@@ -320,7 +320,7 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 ])
 def test_lease_name_is_dns_safe_short_and_deterministic(lease_id: str) -> None:
     name = lease_name(lease_id)
-    assert DNS_LABEL.match(name), name
+    assert DNS_LABEL.fullmatch(name), name
     assert len(name) <= 52 and len(name + "-env") <= 63
     assert name == lease_name(lease_id)
 
