@@ -152,14 +152,14 @@ def _next(unit: str) -> str:
     return {"d": "h", "h": "m"}[unit]
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$")
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*")
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_DURATION_D = 36500  # 100 years: older than any lease, and still a date
 
 
 def parse_duration(text: str, option: str) -> timedelta:
     """'90s', '15m', '2h', '1d' (a bare number is seconds), at most MAX_DURATION_D days."""
-    match = _DURATION.match(text)
+    match = _DURATION.fullmatch(text)
     if match is None:
         raise typer.BadParameter(f"{text!r} is not a duration; use e.g. 90s, 15m, 2h or 1d",
                                  param_hint=option)

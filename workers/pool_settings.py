@@ -81,7 +81,7 @@ class PoolDeclaration(BaseModel):
 
     @model_validator(mode="after")
     def _checks(self) -> PoolDeclaration:
-        if not POOL_NAME.match(self.name):
+        if not POOL_NAME.fullmatch(self.name):
             raise ValueError("name: must be 1-40 lowercase letters, digits or '-', starting "
                              "and ending alphanumeric (a DNS label)")
         if self.max_size < self.size:

@@ -27,7 +27,7 @@ from workers.pool_settings import PoolDeclaration, read_pools
 
 ENV_PREFIX = "LEASEKEEPER_"
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?$")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?")
 # Store URL schemes leasekeeper runs on (SQLAlchemy dialect names).
 STORE_SCHEMES = ("sqlite", "postgresql")
 BROKER_SCHEMES = ("redis", "rediss", "unix")
@@ -245,7 +245,12 @@ class Settings(BaseSettings):
     @field_validator("installation_id")
     @classmethod
     def _dns_safe_installation(cls, value: str) -> str:
-        if not _DNS_LABEL.match(value):
+        if value != value.strip() and _DNS_LABEL.fullmatch(value.strip()):
+            raise ValueError(
+                f"{value!r} ends or starts with whitespace (a value read from a file keeps "
+                "its trailing newline): set it without, e.g. `tr -d '\\n' < file`"
+            )
+        if not _DNS_LABEL.fullmatch(value):
             raise ValueError(
                 "must be 1-42 lowercase letters, digits or '-', starting and ending "
                 "alphanumeric (it becomes a Kubernetes label value)"

@@ -76,9 +76,9 @@ NAME_MAX = 52
 _LABEL_VALUE_MAX = 63
 _DNS_UNSAFE = re.compile(r"[^a-z0-9-]+")
 _LABEL_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
-_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
-DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_LABEL_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]{0,61})?[A-Za-z0-9]")
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 class Backend(StrEnum):
@@ -109,7 +109,7 @@ def secret_name(name: str) -> str:
 
 def label_value(raw: str) -> str:
     """``raw`` as a valid label value; lossy conversions get a hash suffix."""
-    if len(raw) <= _LABEL_VALUE_MAX and _LABEL_NAME.match(raw):
+    if len(raw) <= _LABEL_VALUE_MAX and _LABEL_NAME.fullmatch(raw):
         return raw
     slug = _LABEL_UNSAFE.sub("-", raw).strip("-_.")
     return f"{slug[: _LABEL_VALUE_MAX - 9].rstrip('-_.')}-{_digest(raw)}".lstrip("-")
@@ -117,9 +117,9 @@ def label_value(raw: str) -> str:
 
 def is_label_key(key: str) -> bool:
     prefix, _, name = key.rpartition("/")
-    if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+    if prefix and (len(prefix) > 253 or not _DNS_SUBDOMAIN.fullmatch(prefix)):
         return False
-    return bool(_LABEL_NAME.match(name))
+    return bool(_LABEL_NAME.fullmatch(name))
 
 
 def installation_selector(installation: str) -> str:

@@ -9,15 +9,20 @@ Secret ``<name>-env``.
                   a Job's waits (list + watch) until its pod is Running, and names it.
                   Any failure after the workload exists runs destroy before re-raising.
     resume_check  checkLeaseResumable of the seed: expected states never raise.
+                  The workload must be the lease's (the uid acquire recorded, or this
+                  installation's labels for its name, no other controller): anything else
+                  under its name is gone. A pod counts only if the workload controls it.
     claim         a pool member taken by a run: workload and pod read (not claimable:
-                  NOT_RESUMABLE, never an error), then one exec into the sandbox container
+                  NOT_RESUMABLE, never an error; a workload that is not the lease's is
+                  gone), then one exec into the sandbox container
                   that writes the run's data into its run directory from stdin
                   (delivery.py). 2 requests and the exec.
     job_exit      a Job's phase and its container's exit code.
     destroy       workload (Foreground), its pods (listed by our labels), Secret; every
                   part attempted, 404 = done. Each object is deleted by the uid recorded
                   at acquire or, failing that, only if its labels say it is this lease's
-                  (then by the uid just read): anyone else's object, never.
+                  (then by the uid just read): anyone else's object, never, nor one that
+                  another controller owns (a Deployment's pod that copied our labels).
     list_managed  everything carrying this installation's label, one entry per workload,
                   with a finished Job's exit code (or why it ended without one) for
                   sweep.finish_exited, and whether it is stuck terminating.
@@ -103,6 +108,7 @@ from providers.kubernetes.status import (
     SandboxPhase,
     belongs_to,
     controlled_by,
+    controlled_by_other,
     created_at,
     is_terminating,
     job_exit_code,
@@ -155,7 +161,7 @@ class _SecretTarget:
 @dataclass(frozen=True)
 class _PodLookup:
     pod: Obj | None
-    missing_name: str | None = None  # the named pod the Sandbox points at, which is gone
+    reason: str = "Sandbox is Ready but no backing pod was found"  # why there is none
 
 
 @dataclass(frozen=True)
@@ -217,7 +223,7 @@ class KubernetesProvider:
                        version or self.api.sandbox_api_version)
 
     def _identity(self, request: AcquireRequest) -> LeaseIdentity:
-        if len(request.name) > NAME_MAX or not DNS_LABEL.match(request.name):
+        if len(request.name) > NAME_MAX or not DNS_LABEL.fullmatch(request.name):
             raise InvalidRequest(
                 f"kubernetes: lease name {request.name!r} is not a DNS-1123 label of at most "
                 f"{NAME_MAX} characters; use provider.lease_name(lease_id)")
@@ -302,7 +308,8 @@ class KubernetesProvider:
         except KubeAlreadyExists:
             existing = self.api.get_workload(backend, identity.name)
         where = f"{backend.value} {self.api.namespace}/{identity.name}"
-        if not belongs_to(existing, identity.lease_id, self.installation):
+        if (not belongs_to(existing, identity.lease_id, self.installation)
+                or controlled_by_other(existing, identity.name)):
             labels = labels_of(existing)
             raise ProviderConflict(
                 f"kubernetes: {where} already exists and is not lease {identity.lease_id}'s "
@@ -332,7 +339,8 @@ class KubernetesProvider:
             return uid_of(self.api.create_secret(manifest))
         except KubeAlreadyExists:
             existing = self.api.get_secret_metadata(name)
-        if not belongs_to(existing, identity.lease_id, self.installation):
+        if (not belongs_to(existing, identity.lease_id, self.installation)
+                or controlled_by_other(existing, identity.name)):
             raise _NotOurs(
                 f"kubernetes: Secret {self.api.namespace}/{name} exists and is not lease "
                 f"{identity.lease_id}'s; refusing to adopt it: delete it or use another "
@@ -440,22 +448,32 @@ class KubernetesProvider:
     # -- pods -----------------------------------------------------------------------------
     def _sandbox_pod(self, sandbox: Obj, api: KubeApi | None = None) -> _PodLookup:
         """status.podName / the pod-name annotation, then the pod named like the Sandbox,
-        then label agents.x-k8s.io/sandbox-name preferring Running. Never by prefix."""
+        then label agents.x-k8s.io/sandbox-name preferring Running. Never by prefix, and
+        only a pod the Sandbox controls (its controller ownerReference is the Sandbox's
+        uid): a pod that merely carries the name or the label is someone else's."""
         api = api or self.api
         name, uid = name_of(sandbox), uid_of(sandbox)
         hint = sandbox_pod_hint(sandbox)
         if hint:
             try:
-                return _PodLookup(api.get_pod(hint))
+                pod = api.get_pod(hint)
             except KubeNotFound:
-                return _PodLookup(None, missing_name=hint)
-        try:
-            pod = api.get_pod(name)
+                return _PodLookup(None, f"Pod {hint} no longer exists")
             if controlled_by(pod, uid):
                 return _PodLookup(pod)
-        except KubeNotFound:
-            pass
-        return _PodLookup(pick_pod(api.list_pods(f"{SANDBOX_NAME_LABEL}={name}"), uid))
+        if hint != name:
+            try:
+                pod = api.get_pod(name)
+                if controlled_by(pod, uid):
+                    return _PodLookup(pod)
+            except KubeNotFound:
+                pass
+        found = pick_pod(api.list_pods(f"{SANDBOX_NAME_LABEL}={name}"), uid)
+        if found is None and hint:
+            return _PodLookup(None, f"Pod {hint}, which Sandbox {name} names, is not its (it "
+                                    "has another controller, or none), and no pod of its was "
+                                    "found")
+        return _PodLookup(found)
 
     def _job_pod(self, job: Obj, api: KubeApi | None = None) -> Obj | None:
         api = api or self.api
@@ -465,19 +483,23 @@ class KubernetesProvider:
     def resume_check(self, handle: LeaseHandle, timeout_s: float) -> ResumeResult:
         backend = self._backend(handle.backend or handle.meta.get("backend"))
         api = self._api_for(handle.meta)
+        recorded = handle.meta.get("uid")
         match backend:
             case Backend.SANDBOX_CR:
-                return self._resume_sandbox(api, handle.name, timeout_s)
+                return self._resume_sandbox(api, handle.name, recorded, timeout_s)
             case Backend.JOB:
-                return self._resume_job(api, handle.name)
+                return self._resume_job(api, handle.name, recorded)
 
-    def _resume_sandbox(self, api: KubeApi, name: str, timeout_s: float) -> ResumeResult:
+    def _resume_sandbox(self, api: KubeApi, name: str, recorded: object,
+                        timeout_s: float) -> ResumeResult:
         deadline = self._clock() + timeout_s
         gone = ResumeResult.not_resumable("Sandbox CR no longer exists")
         try:
             sandbox = api.get_workload(Backend.SANDBOX_CR, name)
         except KubeNotFound:
             return gone
+        if not self._is_the_leases(sandbox, name, recorded):
+            return ResumeResult.not_resumable(self._not_the_leases(Backend.SANDBOX_CR, name))
         state = sandbox_state(sandbox)
         if state.phase is SandboxPhase.PENDING:
             result = self._wait_sandbox_settled(api, sandbox, deadline)
@@ -492,6 +514,9 @@ class KubernetesProvider:
                 case WaitOutcome.SETTLED:
                     sandbox = result.obj or sandbox
                     state = sandbox_state(sandbox)
+            if not self._is_the_leases(sandbox, name, recorded):  # replaced while waiting
+                return ResumeResult.not_resumable(
+                    self._not_the_leases(Backend.SANDBOX_CR, name))
         match state.phase:
             case SandboxPhase.FAILED | SandboxPhase.TERMINATING | SandboxPhase.PENDING:
                 return ResumeResult.not_resumable(state.reason)
@@ -499,20 +524,20 @@ class KubernetesProvider:
                 pass
         lookup = self._sandbox_pod(sandbox, api)
         if lookup.pod is None:
-            if lookup.missing_name:
-                return ResumeResult.not_resumable(f"Pod {lookup.missing_name} no longer exists")
-            return ResumeResult.not_resumable("Sandbox is Ready but no backing pod was found")
+            return ResumeResult.not_resumable(lookup.reason)
         problem = pod_not_running_reason(lookup.pod)
         if problem:
             return ResumeResult.not_resumable(problem)
         return ResumeResult.resumable(pod_name=name_of(lookup.pod), phase="Running",
                                       namespace=api.namespace)
 
-    def _resume_job(self, api: KubeApi, name: str) -> ResumeResult:
+    def _resume_job(self, api: KubeApi, name: str, recorded: object) -> ResumeResult:
         try:
             job = api.get_workload(Backend.JOB, name)
         except KubeNotFound:
             return ResumeResult.not_resumable("Job no longer exists")
+        if not self._is_the_leases(job, name, recorded):
+            return ResumeResult.not_resumable(self._not_the_leases(Backend.JOB, name))
         if is_terminating(job):
             return ResumeResult.not_resumable(f"Job {name} is terminating")
         phase = job_phase(job)
@@ -543,12 +568,12 @@ class KubernetesProvider:
         deadline = self._clock() + request.timeout_s
         backend = self._backend(handle.backend or handle.meta.get("backend"))
         api = self._api_for(handle.meta)
-        pod_name = handle.meta.get("pod_name")
+        pod_name, recorded = handle.meta.get("pod_name"), handle.meta.get("uid")
         match backend:
             case Backend.SANDBOX_CR:
-                found = self._claimable_sandbox(api, handle.name, pod_name)
+                found = self._claimable_sandbox(api, handle.name, recorded, pod_name)
             case Backend.JOB:
-                found = self._claimable_job(api, handle.name, pod_name)
+                found = self._claimable_job(api, handle.name, recorded, pod_name)
         if isinstance(found, Claimed):
             return found
         delivery = build_delivery(request)
@@ -569,12 +594,14 @@ class KubernetesProvider:
         return Claimed(ClaimOutcome.CLAIMED, meta={
             "pod_name": found.pod, "claimed_at": self._now().isoformat()})
 
-    def _claimable_sandbox(self, api: KubeApi, name: str,
+    def _claimable_sandbox(self, api: KubeApi, name: str, recorded: object,
                            pod_name: object) -> _Claimable | Claimed:
         try:
             sandbox = api.get_workload(Backend.SANDBOX_CR, name)
         except KubeNotFound:
             return _not_claimable("Sandbox CR no longer exists")
+        if not self._is_the_leases(sandbox, name, recorded):
+            return _not_claimable(self._not_the_leases(Backend.SANDBOX_CR, name))
         state = sandbox_state(sandbox)
         match state.phase:
             case SandboxPhase.PENDING:
@@ -587,16 +614,17 @@ class KubernetesProvider:
             return self._claimable_pod(api, str(pod_name), uid_of(sandbox), f"Sandbox {name}")
         lookup = self._sandbox_pod(sandbox, api)
         if lookup.pod is None:
-            return _not_claimable(f"Pod {lookup.missing_name} no longer exists"
-                                  if lookup.missing_name else
-                                  "Sandbox is Ready but no backing pod was found")
+            return _not_claimable(lookup.reason)
         return self._running(lookup.pod)
 
-    def _claimable_job(self, api: KubeApi, name: str, pod_name: object) -> _Claimable | Claimed:
+    def _claimable_job(self, api: KubeApi, name: str, recorded: object,
+                       pod_name: object) -> _Claimable | Claimed:
         try:
             job = api.get_workload(Backend.JOB, name)
         except KubeNotFound:
             return _not_claimable("Job no longer exists")
+        if not self._is_the_leases(job, name, recorded):
+            return _not_claimable(self._not_the_leases(Backend.JOB, name))
         if is_terminating(job):
             return _not_claimable(f"Job {name} is terminating")
         phase = job_phase(job)
@@ -647,6 +675,8 @@ class KubernetesProvider:
         try:
             job = api.get_workload(Backend.JOB, handle.name)
         except KubeNotFound:
+            return JobExit(JobPhase.GONE, None)
+        if not self._is_the_leases(job, handle.name, handle.meta.get("uid")):
             return JobExit(JobPhase.GONE, None)
         phase = job_phase(job)
         match phase:
@@ -775,17 +805,36 @@ class KubernetesProvider:
         return 1
 
     def _ours(self, obj: Obj, name: str) -> bool:
-        """Labelled as part of this installation's workload ``name``. Names are derived
-        from lease ids, so that is this lease's, whichever incarnation it is."""
+        """Labelled as part of this installation's workload ``name``, and controlled by
+        nothing but that workload. Names are derived from lease ids, so that is this
+        lease's, whichever incarnation it is. Labels can be copied (a Deployment's pod
+        template): an object another controller owns is never ours."""
         labels = labels_of(obj)
         return (labels.get(LABEL_INSTALLATION) == self.installation
-                and labels.get(LABEL_WORKLOAD) == name)
+                and labels.get(LABEL_WORKLOAD) == name
+                and not controlled_by_other(obj, name))
+
+    def _is_the_leases(self, workload: Obj, name: str, recorded: object) -> bool:
+        """The lease's own workload: the incarnation acquire recorded (its uid), or one
+        that ``_ours`` says is this lease's. Anything else holding the name (another
+        installation's, a user's, made after ours was deleted) is not: it counts as gone,
+        and never gets a run's data."""
+        if recorded and uid_of(workload) == str(recorded):
+            return True
+        return self._ours(workload, name)
+
+    @staticmethod
+    def _not_the_leases(backend: Backend, name: str) -> str:
+        kind = workload_kind(backend)
+        return (f"{kind} {name} no longer exists: the {kind} now under its name is not this "
+                "lease's (another installation's or a user's); it is left alone")
 
     # -- enumerate ------------------------------------------------------------------------
     def list_managed(self) -> list[ManagedResource]:
         """Four lists by the installation label (Sandboxes, Jobs, Secret metadata, pods),
         one entry per workload; Secrets and pods whose workload is gone are reported as
-        orphans. A finished Job's entry carries its container's exit code, read from the
+        orphans; an object another controller owns is left out, whatever its labels. A
+        finished Job's entry carries its container's exit code, read from the
         pods already listed (no request per Job), or, for a Job Kubernetes stopped before
         its command exited (its active deadline), no code and that reason. A workload
         terminating for ``terminating_limit_s`` or more is marked ``stuck_terminating``."""
@@ -800,6 +849,12 @@ class KubernetesProvider:
                 continue
         secrets = self.api.list_secret_metadata(selector)
         pods = self.api.list_pods(selector)
+        # Labels can be copied (a Deployment's pod template, a CronJob's Job): an object
+        # another controller owns is not ours, neither a workload nor an orphan to sweep.
+        workloads = [(b, obj) for b, obj in workloads
+                     if not controlled_by_other(obj, name_of(obj))]
+        secrets = [obj for obj in secrets if not self._controlled_elsewhere(obj)]
+        pods = [obj for obj in pods if not self._controlled_elsewhere(obj)]
         pods_of: dict[str, list[Obj]] = {}
         for listed in pods:
             pods_of.setdefault(labels_of(listed).get(LABEL_WORKLOAD, ""), []).append(listed)
@@ -844,6 +899,11 @@ class KubernetesProvider:
                 "namespace": self.api.namespace, "backend": kind.value, "orphaned": True,
                 key: name_of(obj)}, name=workload)
         return sorted(found.values(), key=lambda r: r.name)
+
+    @staticmethod
+    def _controlled_elsewhere(part: Obj) -> bool:
+        """A Secret or pod controlled by something other than the workload it names."""
+        return controlled_by_other(part, labels_of(part).get(LABEL_WORKLOAD, ""))
 
     def _backend_or_none(self, raw: str | None) -> Backend | None:
         try:

@@ -22,6 +22,8 @@ from providers.kubernetes.manifests import (
     CONTAINER_NAME,
     LABEL_INSTALLATION,
     LABEL_LEASE_ID,
+    SANDBOX_GROUP,
+    SANDBOX_KIND,
     SANDBOX_POD_ANNOTATION,
     label_value,
 )
@@ -39,6 +41,10 @@ _REFUSED_POD = re.compile(r'\bis invalid: ')
 # A Job Failed for one of these reasons was stopped by Kubernetes before its command
 # exited: it has ended, and it has no exit code of its own (its pods were killed).
 STOPPED_JOB_REASONS: frozenset[str] = frozenset({"DeadlineExceeded"})
+# (API group, kind) of the workloads leasekeeper creates: the only controllers its pods and
+# Secrets may have.
+WORKLOAD_KINDS: frozenset[tuple[str, str]] = frozenset({(SANDBOX_GROUP, SANDBOX_KIND),
+                                                         ("batch", "Job")})
 
 
 class SandboxPhase(StrEnum):
@@ -224,19 +230,36 @@ def sandbox_pod_hint(sandbox: Obj) -> str | None:
     return str(named) if named else None
 
 
-def controlled_by(obj: Obj, owner_uid: str | None) -> bool:
-    """False only when ``obj`` names a different controller than ``owner_uid``."""
-    if not owner_uid:
-        return True
+def controller_ref(obj: Obj) -> Mapping[str, Any] | None:
+    """The ownerReference with ``controller: true`` (an object has at most one), if any."""
     for ref in meta(obj).get("ownerReferences") or []:
-        if ref.get("controller"):
-            return bool(ref.get("uid") == owner_uid)
-    return True
+        if isinstance(ref, dict) and ref.get("controller"):
+            return ref
+    return None
 
 
-def pick_pod(pods: Iterable[PodT], owner_uid: str | None = None) -> PodT | None:
-    """The pod to use among candidates: controlled by ``owner_uid`` if given; Running and
-    not terminating first, then not terminating, then the newest."""
+def controlled_by(obj: Obj, owner_uid: str | None) -> bool:
+    """True only when ``obj``'s controller is ``owner_uid``: a pod that nothing controls
+    (made by hand) or that something else controls is not the workload's, whatever its
+    labels or name say."""
+    ref = controller_ref(obj)
+    return bool(owner_uid) and ref is not None and ref.get("uid") == owner_uid
+
+
+def controlled_by_other(obj: Obj, workload: str) -> bool:
+    """True when something other than workload ``workload`` (a Sandbox or a Job of that
+    name, any incarnation) controls ``obj``: a Deployment's pod, a CronJob's Job. Such an
+    object is never ours, whatever labels it copied."""
+    ref = controller_ref(obj)
+    if ref is None:
+        return False
+    group = str(ref.get("apiVersion") or "").rpartition("/")[0]
+    return (group, ref.get("kind")) not in WORKLOAD_KINDS or ref.get("name") != workload
+
+
+def pick_pod(pods: Iterable[PodT], owner_uid: str | None) -> PodT | None:
+    """The pod to use among candidates controlled by ``owner_uid``: Running and not
+    terminating first, then not terminating, then the newest."""
     candidates = [p for p in pods if controlled_by(p, owner_uid)]
     if not candidates:
         return None

@@ -110,23 +110,32 @@ def test_resume_never_ready_within_the_wait(kenv: KubeEnv, steered_controller: A
     assert 1.5 < elapsed < 6
 
 
-def _hand_made_pod(kenv: KubeEnv, name: str, command: list[str]) -> None:
-    """A pod named like the Sandbox that the controller simulator does not watch (no
-    sandbox-name-hash label): its deletion does not change the Sandbox's status, which is
-    how a real controller's status lags a pod's deletion."""
+def _hand_made_pod(kenv: KubeEnv, name: str, command: list[str], sandbox: Any) -> None:
+    """A pod named like the Sandbox and controlled by it, that the controller simulator does
+    not watch (no sandbox-name-hash label): its deletion does not change the Sandbox's
+    status, which is how a real controller's status lags a pod's deletion."""
+    owner = {"apiVersion": sandbox["apiVersion"], "kind": "Sandbox", "name": name,
+             "uid": sandbox["metadata"]["uid"], "controller": True}
     body = {"apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "labels": {"app": "hand-made"}},
+            "metadata": {"name": name, "labels": {"app": "hand-made"},
+                         "ownerReferences": [owner]},
             "spec": {"terminationGracePeriodSeconds": 60,
                      "containers": [{"name": "sandbox", "image": "sim", "command": command}]}}
     kenv.core.create_namespaced_pod(kenv.namespace, body, _preload_content=False)
-    kenv.wait("pod", name, pod_phase_in("Running"))
+    kenv.wait("pod", name, lambda pod: pod_phase_in("Running")(pod) and condition_is("Ready")(pod))
 
 
 def _ready_sandbox_with_hand_made_pod(kenv: KubeEnv, steered_controller: Any,
                                       command: list[str]) -> Any:
+    # the lease's Sandbox first (the acquire adopts it), then its hand-made pod; the
+    # controller, told again, reconciles it and mirrors that pod's Ready into the Sandbox
     request = kenv.request()
     steered_controller.never_ready(kenv.namespace, request.name)
-    _hand_made_pod(kenv, request.name, command)
+    identity = LeaseIdentity(request.lease_id, request.name, kenv.installation, "acme")
+    sandbox = kenv.create_sandbox(build_sandbox(identity, request.spec, kenv.provider.defaults,
+                                                datetime.now(UTC)))
+    _hand_made_pod(kenv, request.name, command, sandbox)
+    steered_controller.never_ready(kenv.namespace, request.name)
     acquired = kenv.provider.acquire(request)
     assert acquired.meta["pod_name"] == request.name
     return request, acquired

@@ -28,6 +28,8 @@ from providers.kubernetes.status import (
     SandboxPhase,
     belongs_to,
     container_exit_code,
+    controlled_by,
+    controlled_by_other,
     job_exit_code,
     job_phase,
     job_stop_reason,
@@ -320,7 +322,7 @@ DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 ])
 def test_lease_name_is_dns_safe_short_and_deterministic(lease_id: str) -> None:
     name = lease_name(lease_id)
-    assert DNS_LABEL.match(name), name
+    assert DNS_LABEL.fullmatch(name), name
     assert len(name) <= 52 and len(name + "-env") <= 63
     assert name == lease_name(lease_id)
 
@@ -405,11 +407,13 @@ def pod(name: str, phase: str, created: str = "2026-01-01T00:00:00Z", owner: str
 
 
 def test_pick_pod_prefers_running_then_alive_then_newest_and_checks_the_owner() -> None:
-    pods = [pod("a", "Pending", "2026-01-03T00:00:00Z"), pod("b", "Running"),
-            pod("c", "Running", "2026-01-02T00:00:00Z", terminating=True)]
-    assert pick_pod(pods) == pods[1]
+    pods = [pod("a", "Pending", "2026-01-03T00:00:00Z", owner="mine"),
+            pod("b", "Running", owner="mine"),
+            pod("c", "Running", "2026-01-02T00:00:00Z", owner="mine", terminating=True)]
+    assert pick_pod(pods, "mine") == pods[1]
     assert pick_pod([pod("x", "Running", owner="other")], owner_uid="mine") is None
-    assert pick_pod([]) is None
+    assert pick_pod([pod("bare", "Running")], owner_uid="mine") is None  # made by hand
+    assert pick_pod([], "mine") is None
 
 
 def test_pod_reasons_and_exit_codes() -> None:
@@ -433,6 +437,32 @@ def test_pod_hint_and_ownership() -> None:
     assert not belongs_to(ours, "01jabc", "staging")
     assert not belongs_to(ours, "01jabd", "prod")
 
+
+def owned(*refs: dict[str, Any]) -> dict[str, Any]:
+    return {"metadata": {"name": "x", "ownerReferences": list(refs)}}
+
+
+def test_only_the_controller_reference_says_whose_an_object_is() -> None:
+    job = {"apiVersion": "batch/v1", "kind": "Job", "name": "lk-a", "uid": "job-uid",
+           "controller": True}
+    sandbox = {"apiVersion": "agents.x-k8s.io/v1beta1", "kind": "Sandbox", "name": "lk-a",
+               "uid": "sb-uid", "controller": True}
+    replica_set = {"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "web-5d8",
+                   "uid": "rs-uid", "controller": True}
+    # a pod counts for a workload only if that workload's uid is its controller
+    assert controlled_by(owned(job), "job-uid")
+    assert not controlled_by(owned(job), "other-uid")
+    assert not controlled_by(owned(), "job-uid")  # a bare pod (made by hand)
+    assert not controlled_by(owned({**job, "controller": False}), "job-uid")
+    assert not controlled_by(owned(job), None)
+    # something else controlling it makes an object not ours, whatever its labels
+    assert not controlled_by_other(owned(), "lk-a")
+    assert not controlled_by_other(owned(job), "lk-a")
+    assert not controlled_by_other(owned(sandbox), "lk-a")
+    assert not controlled_by_other(owned({**replica_set, "controller": False}), "lk-a")
+    assert controlled_by_other(owned(replica_set), "lk-a")
+    assert controlled_by_other(owned(job), "lk-b")
+    assert controlled_by_other(owned({**job, "apiVersion": "example.com/v1"}), "lk-a")
 
 def exited(name: str, code: int, created: str, owner: str = "job-uid",
            terminating: bool = False) -> dict[str, Any]:

@@ -1,0 +1,260 @@
+"""Owns the integration tests of "objects that are not ours", against the real API server, its
+controllers (Job, Deployment, garbage collector), the Sandbox controller simulator and the
+kubelet simulator, with the foreign objects made directly by the admin client:
+- a workload under the lease's name that is not the one acquire recorded (another
+  installation's, made after ours was deleted) is gone for ``resume_check`` and refused by a
+  warm-pool ``claim`` (no exec: the run's data, secrets included, never reaches it);
+- an object another controller owns (a user's Deployment whose pod template copied our
+  labels) is never deleted by ``destroy`` nor listed by ``list_managed`` as an orphan;
+- a pod counts for a workload only if the workload controls it: a bare pod named by a
+  Sandbox's ``status.podName`` or labelled ``job-name=<our Job>`` is never named by
+  ``resume_check``, and its exit code is never the Job's.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any, TypeVar
+
+import pytest
+from kubernetes import client
+
+from providers.base import ClaimOutcome, LeaseHandle, ResumeOutcome
+from providers.kubernetes.manifests import LeaseIdentity, build_job, build_sandbox
+from providers.kubernetes.status import JobPhase
+from providers.spec import SandboxSpec
+from tests.cluster.waits import condition_is, gone, pod_phase_in
+from tests.k8s.conftest import GROUP, PLURAL, KubeEnv
+from tests.k8s.test_provider_pools import claim_request, member, new_secret
+
+pytestmark = [pytest.mark.k8s, pytest.mark.timeout(120)]
+
+LOOP = ["sh", "-c", "while :; do sleep 1; done"]
+BACKENDS = ["sandbox-cr", "job"]
+KIND = {"sandbox-cr": "sandbox", "job": "job"}
+T = TypeVar("T")
+
+
+def eventually(probe: Callable[[], T | None], what: str, timeout_s: float = 60.0) -> T:
+    """probe()'s first truthy value, under a monotonic deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.1)
+
+
+def pods_of(kenv: KubeEnv, selector: str) -> list[dict[str, Any]]:
+    listed = json.loads(kenv.core.list_namespaced_pod(
+        kenv.namespace, label_selector=selector, _preload_content=False).data)
+    return list(listed["items"])
+
+
+def some_pod(kenv: KubeEnv, selector: str,
+             predicate: Callable[[dict[str, Any] | None], bool]) -> dict[str, Any]:
+    return eventually(lambda: next((p for p in pods_of(kenv, selector) if predicate(p)), None),
+                      f"a pod {selector} to be as expected")
+
+
+def no_pods(kenv: KubeEnv, selector: str) -> None:
+    eventually(lambda: not pods_of(kenv, selector), f"every pod {selector} to be gone")
+
+
+def their_workload(kenv: KubeEnv, backend: str, name: str) -> dict[str, Any]:
+    """Another installation's workload (and the Secret its pod reads) under ``name``,
+    running; returns it."""
+    identity = LeaseIdentity("their-lease", name, "someone-else", "acme")
+    kenv.wait("secret", f"{name}-env", gone)
+    kenv.core.create_namespaced_secret(kenv.namespace, {
+        "metadata": {"name": f"{name}-env", "labels": {"app": "someone-else"}},
+        "stringData": {"THEIRS": "their-value"}}, _preload_content=False)
+    spec = SandboxSpec(tenant="acme", command=LOOP)
+    if backend == "job":
+        kenv.batch.create_namespaced_job(
+            kenv.namespace, build_job(identity, spec, kenv.provider.defaults),
+            _preload_content=False)
+        found = kenv.wait("job", name,
+                          lambda j: (j or {}).get("status", {}).get("active") == 1)
+        some_pod(kenv, f"job-name={name}", pod_phase_in("Running"))
+    else:
+        kenv.create_sandbox(build_sandbox(identity, spec, kenv.provider.defaults,
+                                          datetime.now(UTC)))
+        found = kenv.wait("sandbox", name, condition_is("Ready"))
+    assert found is not None
+    return found
+
+
+def ours_then_theirs(kenv: KubeEnv, backend: str, handle: LeaseHandle) -> dict[str, Any]:
+    """Delete the lease's workload (and wait until it and its pods are gone), then another
+    installation makes its own under the same name."""
+    kenv.provider.destroy(handle)
+    kenv.wait(KIND[backend], handle.name, gone)
+    selector = (f"job-name={handle.name}" if backend == "job"
+                else f"leasekeeper.dev/workload={handle.name}")
+    no_pods(kenv, selector)
+    return their_workload(kenv, backend, handle.name)
+
+
+def bare_pod(kenv: KubeEnv, name: str, labels: dict[str, str], script: str) -> None:
+    """A pod made by hand (no ownerReferences), running ``script``."""
+    kenv.core.create_namespaced_pod(kenv.namespace, {
+        "metadata": {"name": name, "labels": labels},
+        "spec": {"restartPolicy": "Never", "terminationGracePeriodSeconds": 1,
+                 "containers": [{"name": "sandbox", "image": "sim",
+                                 "command": ["sh", "-c", script]}]}},
+        _preload_content=False)
+
+
+# -- 1. a workload under our name that is not ours is gone -------------------------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_check_of_a_workload_replaced_by_another_installations_is_not_resumable(
+        kenv: KubeEnv, backend: str) -> None:
+    # given a lease whose workload was deleted, and another installation's workload running
+    # under the same name since
+    request = kenv.request(backend=backend, command=LOOP)
+    acquired = kenv.provider.acquire(request)
+    handle = kenv.handle(request.name, backend, **acquired.meta)
+    theirs = ours_then_theirs(kenv, backend, handle)
+    assert theirs["metadata"]["uid"] != acquired.meta["uid"]
+    # when checking the lease (with the uid acquire recorded, and with none recorded)
+    for meta in (acquired.meta, {}):
+        result = kenv.provider.resume_check(kenv.handle(request.name, backend, **meta), 5)
+        # then it is gone: their workload is not this lease's, and it is left alone
+        assert result.outcome is ResumeOutcome.NOT_RESUMABLE, (meta, result)
+        assert "is not this lease's" in (result.reason or "")
+    assert kenv.read(KIND[backend], request.name)["metadata"]["uid"] == theirs["metadata"]["uid"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_claim_never_sends_a_runs_data_into_another_installations_workload(
+        kenv: KubeEnv, backend: str) -> None:
+    # given a pool member whose workload was deleted, and another installation's workload
+    # running under the same name since
+    request, handle = member(kenv, backend)
+    ours_then_theirs(kenv, backend, handle)
+    kenv.proxy.reset_counts()
+    # when a run claims the member
+    secret = new_secret()
+    claimed = kenv.provider.claim(handle, claim_request(request.lease_id, secret))
+    # then it is refused as gone, and nothing was exec'd into their pod
+    assert claimed.outcome is ClaimOutcome.NOT_RESUMABLE
+    assert "is not this lease's" in (claimed.reason or "")
+    assert kenv.proxy.count("GET", r"/exec$") == 0
+    assert kenv.proxy.count("POST", r"/exec$") == 0
+    assert secret not in (claimed.reason or "")
+
+
+# -- 2. what another controller owns is not ours, whatever its labels --------------------------
+
+def users_deployment(kenv: KubeEnv, workload: str, backend: str) -> dict[str, Any]:
+    """A user's Deployment whose pod template copied the labels of our workload
+    ``workload``; returns its pod (made by the ReplicaSet controller)."""
+    app = f"web-{secrets.token_hex(3)}"
+    copied = {"app": app, "app.kubernetes.io/managed-by": "leasekeeper",
+              "leasekeeper.dev/installation": kenv.installation,
+              "leasekeeper.dev/workload": workload, "leasekeeper.dev/backend": backend,
+              "leasekeeper.dev/lease-id": workload.removeprefix("lk-")}
+    client.AppsV1Api(kenv.admin).create_namespaced_deployment(kenv.namespace, {
+        "metadata": {"name": app},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": app}},
+                 "template": {"metadata": {"labels": copied},
+                              "spec": {"containers": [{"name": "web", "image": "sim",
+                                                       "command": LOOP}]}}}},
+        _preload_content=False)
+    found = some_pod(kenv, f"app={app}", pod_phase_in("Running"))
+    refs = found["metadata"]["ownerReferences"]
+    assert [r["kind"] for r in refs if r.get("controller")] == ["ReplicaSet"]
+    return found
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_destroy_leaves_the_pods_of_a_users_deployment_that_copied_our_labels(
+        kenv: KubeEnv, backend: str) -> None:
+    # given a lease, and a user's Deployment whose pods carry that lease's labels
+    request = kenv.request(backend=backend, command=LOOP)
+    acquired = kenv.provider.acquire(request)
+    theirs = users_deployment(kenv, request.name, backend)
+    their_pod = theirs["metadata"]["name"]
+    kenv.proxy.reset_counts()
+    # when the lease is destroyed
+    kenv.provider.destroy(kenv.handle(request.name, backend, **acquired.meta))
+    # then the lease's workload went, and their pod was never deleted
+    kenv.wait(KIND[backend], request.name, gone)
+    assert kenv.proxy.count("DELETE", rf"/pods/{their_pod}$") == 0
+    pod = kenv.read("pod", their_pod)
+    assert pod is not None and not pod["metadata"].get("deletionTimestamp")
+
+
+def test_list_managed_reports_no_orphan_for_a_users_deployment_that_copied_our_labels(
+        kenv: KubeEnv) -> None:
+    # given no lease, and a user's Deployment whose pods carry the labels of a workload
+    # lk-copied of this installation (which does not exist)
+    users_deployment(kenv, "lk-copied", "job")
+    # when listing what this installation manages; then their pod is no orphan of ours (the
+    # orphan sweep would delete it, and the Deployment make it again, forever)
+    assert "lk-copied" not in {r.name for r in kenv.provider.list_managed()}
+
+
+# -- 3. a pod counts only if the workload controls it ------------------------------------------
+
+def test_resume_check_never_names_a_bare_pod_the_sandbox_status_names(kenv: KubeEnv) -> None:
+    # given a Ready Sandbox whose status names a pod made by hand, which runs
+    request = kenv.request()
+    acquired = kenv.provider.acquire(request)
+    bare = f"bare-{secrets.token_hex(3)}"
+    bare_pod(kenv, bare, {"app": "hand-made"}, "while :; do sleep 1; done")
+    kenv.wait("pod", bare, pod_phase_in("Running"))
+    kenv.custom.patch_namespaced_custom_object_status(
+        GROUP, "v1alpha1", kenv.namespace, PLURAL, request.name, {"status": {"podName": bare}},
+        _content_type="application/merge-patch+json", _preload_content=False)
+    kenv.wait("sandbox", request.name,
+              lambda sb: (sb or {}).get("status", {}).get("podName") == bare)
+    # when checking resume; then the pod named is the Sandbox's own, never the bare one
+    result = kenv.provider.resume_check(kenv.handle(request.name, **acquired.meta), 5)
+    assert result.outcome is ResumeOutcome.RESUMABLE, result
+    assert result.details["pod_name"] == request.name
+
+
+def test_resume_check_never_names_a_bare_pod_labelled_with_the_job_name(kenv: KubeEnv) -> None:
+    # given a running Job, and a bare running pod labelled job-name=<the Job> (named so that
+    # the API server lists it first: picked on any tie)
+    request = kenv.request(backend="job", command=LOOP)
+    acquired = kenv.provider.acquire(request)
+    some_pod(kenv, f"job-name={request.name}", pod_phase_in("Running"))
+    bare = f"a-bare-{secrets.token_hex(3)}"
+    bare_pod(kenv, bare, {"job-name": request.name}, "while :; do sleep 1; done")
+    kenv.wait("pod", bare, pod_phase_in("Running"))
+    # when checking resume; then the pod named is the Job's own
+    result = kenv.provider.resume_check(kenv.handle(request.name, "job", **acquired.meta), 5)
+    assert result.outcome is ResumeOutcome.RESUMABLE, result
+    assert result.details["pod_name"] not in (None, bare)
+    assert result.details["pod_name"].startswith(f"{request.name}-")
+
+
+def test_a_finished_jobs_exit_code_is_never_a_bare_pods(kenv: KubeEnv) -> None:
+    # given a Job that exited 3, and a bare pod labelled as its pod (job-name and our labels)
+    # that exited 9 after it
+    request = kenv.request(backend="job", command=["sh", "-c", "exit 3"])
+    acquired = kenv.provider.acquire(request)
+    kenv.wait("job", request.name, condition_is("Failed"))
+    bare = f"a-bare-{secrets.token_hex(3)}"
+    bare_pod(kenv, bare, {"job-name": request.name,
+                          "leasekeeper.dev/installation": kenv.installation,
+                          "leasekeeper.dev/workload": request.name,
+                          "leasekeeper.dev/backend": "job"}, "exit 9")
+    kenv.wait("pod", bare, pod_phase_in("Failed"))
+    # when reading its exit (job_exit, and the listing sweep.finish_exited reads)
+    handle = kenv.handle(request.name, "job", **acquired.meta)
+    # then it is the Job's own command's code
+    assert kenv.provider.job_exit(handle) == (JobPhase.FAILED, 3)
+    listed = {r.name: r for r in kenv.provider.list_managed()}
+    assert listed[request.name].exit_code == 3
+    assert listed[request.name].meta["pod_name"] != bare
