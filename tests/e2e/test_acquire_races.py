@@ -5,6 +5,7 @@ the run and lease records tell the truth and no sandbox is lost or left behind."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import uuid
 from collections.abc import Iterator
@@ -15,6 +16,7 @@ import pytest
 from models.invariants import check
 from models.schema import LeaseState, ReclaimOutcome, RunStatus, utcnow
 from providers.base import ResumeOutcome
+from providers.errors import InvalidRequest
 from tasks import producer
 from tasks.leases import handle
 from tests.e2e.conftest import eventually
@@ -105,3 +107,41 @@ def test_the_same_pool_claim_sent_twice_at_once_answers_already_acquired(
     producer.finish_run(run_id, "completed", 0).get(60)
     assert reclaimed(rt, run_id).reclaim_outcome == ReclaimOutcome.DESTROYED
     truthful(rt, run_id, member.lease_id)
+
+
+@pytest.fixture(scope="module")
+def patient_stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[WorkerStack]:
+    """A worker on a queue and SQLite store of its own whose retries span well over 30 s
+    (a run.finish waiting for its run must still be retrying when the acquire comes)."""
+    with own_queue_stack("finish-first", redis_server.url,
+                         tmp_path_factory.mktemp("finish-first"),
+                         {"LEASEKEEPER_TASK_MAX_RETRIES": "40",
+                          "LEASEKEEPER_RETRY_BACKOFF_BASE_S": "1",
+                          "LEASEKEEPER_RETRY_BACKOFF_MAX_S": "2"}) as stack:
+        yield stack
+
+
+def test_a_finish_run_before_its_acquire_records_the_run_lands_after_it(
+        patient_stack: WorkerStack) -> None:
+    # Before: the finish failed NotFound at once (lost), and the acquire then made a
+    # sandbox for a run its backend had cancelled.
+    rt, run_id = patient_stack.runtime(), rid()
+    finish = producer.finish_run(run_id, "aborted", error="user cancelled")
+    # the cleanup lane ran it first: wait until the worker has taken it
+    eventually(lambda: finish.state not in {"PENDING", "STARTED"}, 60, "the finish taken")
+    pending = producer.acquire_lease(run_id, {})
+    done = finish.get(90)
+    assert (done["status"], done["change"], done["reclaim_enqueued"]) == (
+        "aborted", "changed", True)
+    with contextlib.suppress(InvalidRequest):  # the finish may land before the sandbox
+        pending.get(60)
+    run = rt.store.get_run(run_id)
+    assert (run.status, run.error) == (RunStatus.ABORTED, "user cancelled")
+    assert run.lease_id is not None
+    eventually(lambda: rt.store.get_lease(run.lease_id).state == LeaseState.DESTROYED, 60,
+               "the cancelled run's lease destroyed")
+    eventually(lambda: not [r for r in rt.provider("local").list_managed()
+                            if r.lease_id == run.lease_id], 30, "its sandbox gone")
+    assert reclaimed(rt, run_id).reclaim_outcome == ReclaimOutcome.DESTROYED
+    truthful(rt, run_id, run.lease_id)
