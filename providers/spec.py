@@ -23,18 +23,20 @@ from pydantic import (
     model_validator,
 )
 
-ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
-ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# Whole-string patterns: used with fullmatch, and anchored at \Z, not $ ($ also matches
+# before a final newline: "run-1\n" would pass a .match), for any caller that .matches.
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 # A Kubernetes label key: an optional DNS-subdomain prefix and '/', then a name
-LABEL_KEY = re.compile(r"^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?"
-                       r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?"
+                       r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?\Z")
 RESERVED_LABEL_PREFIX = "leasekeeper.dev/"  # the labels that say which lease owns what
 # Variables leasekeeper sets in every sandbox (the providers': local's workspace marker,
 # the lease id, Kubernetes' bootstrap token for a pool's deliveries)
 RESERVED_ENV = frozenset({"LEASEKEEPER_LEASE_ID", "LEASEKEEPER_WORKSPACE",
                           "LEASEKEEPER_BOOTSTRAP_TOKEN"})
-LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
-TENANT = re.compile(r"^[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?$")
+LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?\Z")
+TENANT = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?\Z")
 POOL_NAME = TENANT  # a DNS label of at most 40 characters (it becomes a label value)
 REDACTED = "***"
 ECHO_MAX_CHARS = 40  # how much of a refused value an error message may quote
@@ -61,7 +63,7 @@ def echo(value: object) -> str:
 
 
 def check_id(kind: str, value: object) -> str:
-    if not isinstance(value, str) or not ID_PATTERN.match(value):
+    if not isinstance(value, str) or not ID_PATTERN.fullmatch(value):
         raise ValueError(
             f"{kind} must be 1-128 characters of letters, digits, '.', '_', ':' or '-', "
             f"starting with a letter or digit; got {echo(value)}"
@@ -103,7 +105,7 @@ def _no_blank_ends(value: str) -> str:
 
 
 # A Kubernetes quantity (resource.Quantity's syntax): a decimal number and a suffix
-QUANTITY = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?\d+)?$")
+QUANTITY = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?\d+)?\Z")
 _SUFFIX: dict[str, Decimal] = {
     "": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
     **{s: Decimal(10) ** (3 * i) for i, s in enumerate("kMGTPE", start=1)},
@@ -111,7 +113,7 @@ _SUFFIX: dict[str, Decimal] = {
 
 
 def _quantity(value: str) -> str:
-    if not QUANTITY.match(value):
+    if not QUANTITY.fullmatch(value):
         raise ValueError(f"{echo(value)} is not a Kubernetes quantity (e.g. 500m, 2, 512Mi, "
                          "4Gi)")
     return value
@@ -119,7 +121,7 @@ def _quantity(value: str) -> str:
 
 def quantity_value(text: str) -> Decimal:
     """A quantity's value (``QUANTITY`` syntax), to compare two of them."""
-    match = QUANTITY.match(text)
+    match = QUANTITY.fullmatch(text)
     if match is None:
         raise ValueError(f"not a quantity: {text!r}")
     number, suffix = match.group(1), match.group(2) or ""
@@ -184,14 +186,14 @@ class SandboxSpec(BaseModel):
     @field_validator("tenant")
     @classmethod
     def _tenant(cls, value: str) -> str:
-        if not TENANT.match(value):
+        if not TENANT.fullmatch(value):
             raise ValueError("tenant must be 1-40 lowercase letters, digits or '-' (DNS-safe)")
         return value
 
     @field_validator("pool")
     @classmethod
     def _pool(cls, value: str | None) -> str | None:
-        if value is not None and not POOL_NAME.match(value):
+        if value is not None and not POOL_NAME.fullmatch(value):
             raise ValueError("pool must be a pool name: 1-40 lowercase letters, digits or "
                              "'-' (DNS-safe)")
         return value
@@ -204,7 +206,7 @@ class SandboxSpec(BaseModel):
     @field_validator("env", "secret_env")
     @classmethod
     def _env_names(cls, value: dict[str, Any]) -> dict[str, Any]:
-        bad = [k for k in value if len(k) > MAX_ENV_NAME_CHARS or not ENV_NAME.match(k)]
+        bad = [k for k in value if len(k) > MAX_ENV_NAME_CHARS or not ENV_NAME.fullmatch(k)]
         if bad:
             raise ValueError(f"invalid environment variable names: "
                              f"{', '.join(map(echo, bad[:5]))} (letters, digits and '_', "
@@ -215,7 +217,7 @@ class SandboxSpec(BaseModel):
     @classmethod
     def _labels(cls, value: dict[str, str]) -> dict[str, str]:
         for key, val in value.items():
-            if not LABEL_KEY.match(key) or not LABEL_VALUE.match(val):
+            if not LABEL_KEY.fullmatch(key) or not LABEL_VALUE.fullmatch(val):
                 raise ValueError(
                     f"label {echo(key)} is not a valid Kubernetes label key/value (keys: "
                     "[prefix/]name, a name of up to 63 alphanumerics, '-', '_', '.', a prefix "

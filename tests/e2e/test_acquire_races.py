@@ -145,3 +145,17 @@ def test_a_finish_run_before_its_acquire_records_the_run_lands_after_it(
                             if r.lease_id == run.lease_id], 30, "its sandbox gone")
     assert reclaimed(rt, run_id).reclaim_outcome == ReclaimOutcome.DESTROYED
     truthful(rt, run_id, run.lease_id)
+
+
+@pytest.mark.parametrize(("name", "kwargs"), [
+    ("run.finish", {"run_id": "RID\n", "status": "completed"}),
+    ("lease.acquire", {"run_id": "RID", "spec": {"labels": {"team": "a\n"}}}),
+    ("lease.acquire", {"run_id": "RID", "spec": {"tenant": "acme\n"}}),
+])
+def test_a_payload_by_name_with_a_trailing_newline_is_refused_by_the_worker(
+        stack: WorkerStack, name: str, kwargs: dict[str, Any]) -> None:
+    rt, run_id = stack.runtime(), rid()
+    sent = {**kwargs, "run_id": kwargs["run_id"].replace("RID", run_id)}
+    with pytest.raises(InvalidRequest, match=f"invalid {name} payload"):
+        app.send_task(name, kwargs=sent).get(60)
+    assert rt.store.get_run(run_id) is None and rt.store.get_run(f"{run_id}\n") is None
