@@ -22,7 +22,7 @@ from kombu.exceptions import OperationalError
 from providers.errors import BrokerUnavailable, InvalidRequest
 from providers.spec import SandboxSpec, check_id
 from tasks.acquire import acquire, parse_acquire
-from tasks.destroy import destroy
+from tasks.destroy import clean_reason, destroy
 from tasks.reclaim import reclaim
 from tasks.resume import resume_check
 from tasks.runs import attach_run as _attach
@@ -134,7 +134,8 @@ def destroy_lease(lease_id: str, reason: str = "requested") -> AsyncResult:
     if not isinstance(reason, str):
         raise InvalidRequest(f"invalid lease.destroy payload: reason must be a string; got "
                              f"{type(reason).__name__}")
-    return _send(destroy, {"lease_id": _id("lease_id", lease_id), "reason": reason[:200]})
+    return _send(destroy, {"lease_id": _id("lease_id", lease_id),
+                           "reason": clean_reason(reason)})
 
 
 def finish_run(run_id: str, status: str, exit_code: int | None = None,

@@ -9,7 +9,6 @@ deadline; nothing else does (background traffic inside a sandbox never keeps it 
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from models.schema import RunStatus
@@ -20,6 +19,7 @@ from tasks.base import LeaseTask
 from tasks.leases import later
 from tasks.reclaim import reclaim
 from tasks.redaction import scrub_text
+from tasks.text import storable
 from workers.app import app
 from workers.runtime import Runtime
 
@@ -30,11 +30,6 @@ FINISH_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.AB
                              RunStatus.INTERRUPTED})
 # What a run keeps of the error its finish reports (the cut is said in the text)
 ERROR_MAX_CHARS = 2000
-REPLACEMENT = "\N{REPLACEMENT CHARACTER}"
-# What no store can hold (PostgreSQL text has no NUL; UTF-8 has no lone surrogate, which
-# JSON's "\ud800" decodes to), and control characters a log or terminal would act on;
-# newline, tab and carriage return stay.
-_UNSTORABLE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
 
 
 def clean_error(error: str | None) -> str | None:
@@ -44,7 +39,7 @@ def clean_error(error: str | None) -> str | None:
     at most ERROR_MAX_CHARS, the cut said at its end."""
     if error is None:
         return None
-    text = _UNSTORABLE.sub(REPLACEMENT, scrub_text(error))
+    text = storable(scrub_text(error))
     if len(text) <= ERROR_MAX_CHARS:
         return text
     note = f"... [{len(text)} characters; the rest cut]"

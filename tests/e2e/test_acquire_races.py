@@ -159,3 +159,28 @@ def test_a_payload_by_name_with_a_trailing_newline_is_refused_by_the_worker(
     with pytest.raises(InvalidRequest, match=f"invalid {name} payload"):
         app.send_task(name, kwargs=sent).get(60)
     assert rt.store.get_run(run_id) is None and rt.store.get_run(f"{run_id}\n") is None
+
+
+# -- destroy reasons a backend sends --------------------------------------------------------
+@pytest.mark.parametrize(("reason", "recorded"), [
+    ("user\x00left", "user\N{REPLACEMENT CHARACTER}left"),
+    ("bad \ud800 text", "bad \N{REPLACEMENT CHARACTER} text"),
+    ("   ", "requested"),
+    ("", "requested"),
+    ("x" * 5000, "x" * 64),
+])
+def test_a_destroy_reason_the_store_cannot_hold_still_destroys(
+        stack: WorkerStack, reason: str, recorded: str) -> None:
+    # Before: NUL or a lone surrogate failed the destroy at the store and the lease stayed
+    # active; a blank reason made the run's error "its lease X ended: ".
+    rt, run_id = stack.runtime(), rid()
+    lease_id = producer.acquire_lease(run_id, {}).get(60)["lease_id"]
+    done = app.send_task("lease.destroy", kwargs={"lease_id": lease_id, "reason": reason}
+                         ).get(60)
+    assert (done["result"], done["state"]) == ("destroyed", "destroyed")
+    lease, run = rt.store.get_lease(lease_id), rt.store.get_run(run_id)
+    assert (lease.state, lease.end_reason) == (LeaseState.DESTROYED, recorded)
+    assert (run.status, run.error) == (RunStatus.ABORTED,
+                                       f"its lease {lease_id} ended: {recorded}")
+    assert not [r for r in rt.provider("local").list_managed() if r.lease_id == lease_id]
+    truthful(rt, run_id, lease_id)
