@@ -382,15 +382,25 @@ class Store:
             return hot
         if hot is not None:
             self._drop_hot(hot)
+        # The pool's connect is not SQLAlchemy's Connection: the driver's own error (a
+        # refused connection while PostgreSQL restarts) comes out as it is. Translated
+        # here, so the task retries it like any other StoreUnavailable.
         try:
             conn = self.engine.raw_connection()
         except SQLAlchemyError as exc:
             raise self._unavailable(getattr(exc, "orig", None) or exc) from None
+        except self.dbapi.Error as exc:
+            raise self._translated(exc, unavailable=True) from None
         cursor: Any
         if self.raw.pg:
             from models.pq_cursor import PqCursor  # psycopg: installed with PostgreSQL
 
-            conn.driver_connection.autocommit = True  # type: ignore[union-attr]
+            try:
+                conn.driver_connection.autocommit = True  # type: ignore[union-attr]
+            except self.dbapi.Error as exc:  # the new connection died already
+                with contextlib.suppress(Exception):
+                    conn.invalidate()
+                raise self._translated(exc, unavailable=True) from None
             cursor = PqCursor(conn.driver_connection,  # type: ignore[arg-type]
                               self.statement_timeout_s + ANSWER_GRACE_S)
         else:
