@@ -15,6 +15,10 @@ Order, each step one guarded transaction:
    pool's template, which waits for its run's data, starts the same way;
 5. provisioning → active. A failure after step 3 destroys what exists before the task
    gives up; if that destroy fails too, the lease is left pending_cleanup, never forgotten.
+   The same acquire sent twice at once: both copies work on the one lease (the run's,
+   with its deterministic sandbox name); the copy that finds it already active for its
+   run answers ``already_acquired`` and leaves it alone, whether its own provider call
+   succeeded or failed.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ class AcquireResult(StrEnum):
     ACQUIRED = "acquired"  # created fresh
     ADOPTED = "adopted"  # an earlier attempt had created it; taken over
     REUSED = "reused"  # the thread's live sandbox, resume-checked and bound
-    ALREADY_ACQUIRED = "already_acquired"  # a redelivery: the run already has it
+    ALREADY_ACQUIRED = "already_acquired"  # a redelivery, or a copy sent twice: the run has it
     CLAIMED = "claimed"  # a warm member of the spec's pool, given the run's data
 
 
