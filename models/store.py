@@ -55,6 +55,7 @@ from providers.errors import (
     READ_ONLY_STORE,
     InvalidRequest,
     NotFound,
+    RunNotRecorded,
     StoreError,
     StoreNotPermitted,
     StoreReadOnly,
@@ -390,15 +391,25 @@ class Store:
             return hot
         if hot is not None:
             self._drop_hot(hot)
+        # The pool's connect is not SQLAlchemy's Connection: the driver's own error (a
+        # refused connection while PostgreSQL restarts) comes out as it is. Translated
+        # here, so the task retries it like any other StoreUnavailable.
         try:
             conn = self.engine.raw_connection()
         except SQLAlchemyError as exc:
             raise self._unavailable(getattr(exc, "orig", None) or exc) from None
+        except self.dbapi.Error as exc:
+            raise self._translated(exc, unavailable=True) from None
         cursor: Any
         if self.raw.pg:
             from models.pq_cursor import PqCursor  # psycopg: installed with PostgreSQL
 
-            conn.driver_connection.autocommit = True  # type: ignore[union-attr]
+            try:
+                conn.driver_connection.autocommit = True  # type: ignore[union-attr]
+            except self.dbapi.Error as exc:  # the new connection died already
+                with contextlib.suppress(Exception):
+                    conn.invalidate()
+                raise self._translated(exc, unavailable=True) from None
             cursor = PqCursor(conn.driver_connection,  # type: ignore[arg-type]
                               self.statement_timeout_s + ANSWER_GRACE_S,
                               prepare=self.prepared_statements)
@@ -558,7 +569,9 @@ class Store:
             raise InvalidRequest(f"run status {status!r} is not a finishing status")
         with self.tx() as s:
             if s.get(Run, run_id) is None:
-                raise NotFound(f"no run {run_id!r}; acquire a lease for it first")
+                raise RunNotRecorded(
+                    f"no run {run_id!r} yet; acquire a lease for it first (a finish sent "
+                    "right behind its lease.acquire is retried until the run is recorded)")
             values: dict[str, Any] = {"status": status, "exit_code": exit_code, "error": error}
             if status in TERMINAL_RUN_STATUSES:
                 values |= {"finished_at": utcnow(), "reclaim_due": reclaim_due,
@@ -581,7 +594,9 @@ class Store:
     def set_detached(self, run_id: str, detached: bool) -> RunChange:
         with self.tx() as s:
             if s.get(Run, run_id) is None:
-                raise NotFound(f"no run {run_id!r}")
+                raise RunNotRecorded(
+                    f"no run {run_id!r} yet; acquire a lease for it first (a call sent "
+                    "right behind its lease.acquire is retried until the run is recorded)")
             # Only a real change writes: a repeated detach keeps the first detached_since
             # (a redelivery never postpones the reap), an attach of an attached run is a no-op.
             state = Run.detached_since.is_(None) if detached else Run.detached_since.isnot(None)

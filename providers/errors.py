@@ -5,6 +5,7 @@
      ├── InvalidRequest             a payload or name is malformed; the caller must fix it
  │    └── ProviderMismatch      the sandbox key's live lease belongs to another provider
      ├── NotFound                   a lease or run id the store does not know
+     │    └── RunNotRecorded        a run's finish/detach before its acquire wrote it (transient)
      ├── StoreError
      │    ├── StoreUnavailable      the database went away or is locked (transient)
      │    │    └── StoreReadOnly    it answers but refuses writes: a replica (transient)
@@ -57,6 +58,12 @@ class ProviderMismatch(InvalidRequest):
 
 class NotFound(LeasekeeperError):
     """The store has no row for the id given."""
+
+
+class RunNotRecorded(NotFound):
+    """A run's finish, detach or attach came before the acquire that records the run (a
+    backend sends them right behind each other; the lanes may run them in either order).
+    Transient: the retry lands once the acquire has written the run."""
 
 
 class StoreError(LeasekeeperError):
@@ -253,7 +260,7 @@ class SandboxReclaimFailedError(ProviderError):
 # Read by the retry policy: these (and DestroyIncomplete whose parts are all transient)
 # are retried with backoff; everything else fails at once with its reason.
 TRANSIENT_ERRORS: frozenset[type[BaseException]] = frozenset(
-    {TransientProviderError, StoreUnavailable, BrokerUnavailable}
+    {TransientProviderError, StoreUnavailable, BrokerUnavailable, RunNotRecorded}
 )
 
 

@@ -15,6 +15,10 @@ Order, each step one guarded transaction:
    pool's template, which waits for its run's data, starts the same way;
 5. provisioning → active. A failure after step 3 destroys what exists before the task
    gives up; if that destroy fails too, the lease is left pending_cleanup, never forgotten.
+   The same acquire sent twice at once: both copies work on the one lease (the run's,
+   with its deterministic sandbox name); the copy that finds it already active for its
+   run answers ``already_acquired`` and leaves it alone, whether its own provider call
+   succeeded or failed.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ class AcquireResult(StrEnum):
     ACQUIRED = "acquired"  # created fresh
     ADOPTED = "adopted"  # an earlier attempt had created it; taken over
     REUSED = "reused"  # the thread's live sandbox, resume-checked and bound
-    ALREADY_ACQUIRED = "already_acquired"  # a redelivery: the run already has it
+    ALREADY_ACQUIRED = "already_acquired"  # a redelivery, or a copy sent twice: the run has it
     CLAIMED = "claimed"  # a warm member of the spec's pool, given the run's data
 
 
@@ -147,6 +151,15 @@ def acquire_lease(
     try:
         intent = store.create_intent(_new_lease(rt, provider, spec, key, run_id), task_id)
     except LiveLeaseExists:
+        live = store.live_lease_for_key(key)
+        if live is not None and live.run_id == run_id:
+            # Another copy of this very acquire (sent twice at once) holds the key for the
+            # run: its sandbox is the run's. Answer it, or wait for it with a retry.
+            if live.state == LeaseState.ACTIVE:
+                return _acquisition(AcquireResult.ALREADY_ACQUIRED, run_id, live)
+            raise TransientProviderError(
+                f"run {run_id}'s sandbox is being acquired by another copy of its "
+                "lease.acquire; retrying") from None
         if spec.reuse:  # another run of the thread is acquiring it right now: retry, then reuse
             raise TransientProviderError(
                 f"sandbox key {key} is being provisioned by another run; retrying"
@@ -234,7 +247,9 @@ def _deliver_claim(
     except ProviderError as exc:
         if is_transient(exc) and may_retry:
             raise  # the member stays the run's, provisioning: the retry delivers again
-        _cleanup_failed(rt, member.lease_id, exc, task_id)
+        if _cleanup_failed(rt, member.lease_id, exc, task_id) == Cleanup.TWIN_WON:
+            return _acquisition(AcquireResult.ALREADY_ACQUIRED, run_id,
+                                rt.store.get_lease(member.lease_id))
         raise
     match claimed.outcome:
         case ClaimOutcome.NOT_RESUMABLE:
@@ -245,6 +260,8 @@ def _deliver_claim(
         case ClaimOutcome.CLAIMED:
             if not pool_claim.activate(rt, member, claimed, run_id, task_id):
                 current = rt.store.get_lease(member.lease_id)
+                if _twin_won(current, run_id):  # the same acquire, delivered twice
+                    return _acquisition(AcquireResult.ALREADY_ACQUIRED, run_id, current)
                 raise InvalidRequest(f"lease {member.lease_id} was ended ({current.state}) "
                                      "while it was being claimed")
             log.info("lease %s claimed from pool %s for run %s", member.lease_id,
@@ -272,7 +289,8 @@ def _provision(
     except ProviderError as exc:
         if is_transient(exc) and may_retry:
             raise  # the lease stays provisioning; the retry adopts what exists (and delivers)
-        _cleanup_failed(rt, lease_id, exc, task_id)
+        if _cleanup_failed(rt, lease_id, exc, task_id) == Cleanup.TWIN_WON:
+            return _acquisition(AcquireResult.ALREADY_ACQUIRED, run_id, store.get_lease(lease_id))
         raise
     except SoftTimeLimitExceeded:
         raise  # the lease stays provisioning: sweep.stuck_provisioning ends it
@@ -280,7 +298,8 @@ def _provision(
         log.exception("lease %s: provider %s acquire raised %s", lease_id, provider.name,
                       type(exc).__name__)
         wrapped = provider_bug(provider.name, "acquire", request.name, exc)
-        _cleanup_failed(rt, lease_id, wrapped, task_id)
+        if _cleanup_failed(rt, lease_id, wrapped, task_id) == Cleanup.TWIN_WON:
+            return _acquisition(AcquireResult.ALREADY_ACQUIRED, run_id, store.get_lease(lease_id))
         raise wrapped from exc
     now = utcnow()
     if not store.move(
@@ -289,8 +308,15 @@ def _provision(
         provider_meta=meta, ready_at=now,
         idle_deadline_at=now + timedelta(seconds=lease.idle_timeout_s),
     ):
-        # A sweep or destroy took the lease while we provisioned: do not leave what we made.
         current = store.get_lease(lease_id)
+        if _twin_won(current, run_id):
+            # The same acquire, delivered twice at once: the other copy made (or adopted)
+            # this very sandbox, by its deterministic name, and activated the lease first.
+            # It is the run's sandbox: nothing here is ours alone to clean up.
+            log.info("lease %s: another copy of run %s's acquire activated it first",
+                     lease_id, run_id)
+            return _acquisition(AcquireResult.ALREADY_ACQUIRED, run_id, current)
+        # A sweep or destroy took the lease while we provisioned: do not leave what we made.
         if current.state != LeaseState.DESTROYING:
             store.transition(lease_id, {LeaseState.DESTROYED, LeaseState.ABANDONED},
                              LeaseState.PENDING_CLEANUP, "resources created after the lease "
@@ -330,12 +356,32 @@ def _deliver_cold(rt: Runtime, provider: Provider, request: AcquireRequest, acqu
                 "command keeps running until its run's data arrives, then retry the run")
 
 
-def _cleanup_failed(rt: Runtime, lease_id: str, cause: ProviderError, task_id: str | None) -> None:
-    """Destroy whatever a failed acquire left; record pending_cleanup if that fails too."""
-    rt.store.transition(lease_id, {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP,
-                        f"acquire failed: {cause}", task_id, end_reason="acquire_failed",
-                        last_error=str(cause), next_cleanup_at=utcnow())
+class Cleanup(StrEnum):
+    """What a failed acquire's cleanup did."""
+
+    CLEANED = "cleaned"  # the lease is ended and its sandbox destroyed (or left pending)
+    TWIN_WON = "twin_won"  # another copy of the run's acquire activated it: left alone
+
+
+def _twin_won(lease: AnyLease, run_id: str) -> bool:
+    """The lease is active for this very run: another copy of its acquire won."""
+    return lease.state == LeaseState.ACTIVE and lease.run_id == run_id
+
+
+def _cleanup_failed(rt: Runtime, lease_id: str, cause: ProviderError,
+                    task_id: str | None) -> Cleanup:
+    """Destroy whatever a failed acquire left; record pending_cleanup if that fails too.
+    A lease another copy of the same acquire activated meanwhile is the run's sandbox,
+    not this attempt's leftovers: it is left alone (TWIN_WON)."""
+    marked = rt.store.transition(
+        lease_id, {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP,
+        f"acquire failed: {cause}", task_id, end_reason="acquire_failed",
+        last_error=str(cause), next_cleanup_at=utcnow())
     lease = rt.store.get_lease(lease_id)
+    if marked is None and lease.run_id is not None and _twin_won(lease, lease.run_id):
+        log.info("lease %s: this acquire copy failed (%s), another one activated it",
+                 lease_id, type(cause).__name__)
+        return Cleanup.TWIN_WON
     if lease.run_id:
         rt.store.finish_run(lease.run_id, RunStatus.FAILED, None,
                             clean_error(f"acquire failed: {cause}"),
@@ -346,6 +392,7 @@ def _cleanup_failed(rt: Runtime, lease_id: str, cause: ProviderError, task_id: s
         # type: report its acquire error once, not nested inside a second report.
         first = cause.__cause__ if isinstance(cause, AcquireCleanupIncomplete) else None
         raise AcquireCleanupIncomplete.of(lease_id, first or cause, done.error) from None
+    return Cleanup.CLEANED
 
 
 def _acquisition(result: AcquireResult, run_id: str, lease: Any) -> Acquisition:

@@ -6,8 +6,9 @@ the whole payload at most ``max_payload_bytes``. A refusal is ``InvalidRequest``
 field, quoting at most a short prefix of what was sent.
 
 Retry policy (the README has it as a table): errors in ``providers.errors.TRANSIENT_ERRORS``
-are retried with exponential backoff and full jitter (Celery's own backoff function),
-capped at ``retry_backoff_max_s``, at most ``task_max_retries`` times; anything else fails
+are retried with exponential backoff and equal jitter (``retry_backoff_s``: between half
+the step and the step, so no run of retries waits next to nothing), the step capped at
+``retry_backoff_max_s``, at most ``task_max_retries`` times; anything else fails
 at once with its reason. Secrets in task arguments never reach Flower, events or logs:
 every message leasekeeper's app builds (``apply_async``, ``retry``, and ``send_task`` by
 name: workers/app.py) carries redacted ``argsrepr``/``kwargsrepr`` (its task-sent event
@@ -21,12 +22,12 @@ import functools
 import inspect
 import json
 import logging
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from celery import Task
 from celery.exceptions import Retry
-from celery.utils.time import get_exponential_backoff_interval
 
 from providers.errors import InvalidRequest, LeasekeeperError, is_transient
 from providers.spec import check_id, echo
@@ -82,6 +83,17 @@ def check_payload(name: str, run: Callable[..., Any], args: tuple[Any, ...],
             raise InvalidRequest(f"invalid {name} payload: {exc}") from None
 
 
+def retry_backoff_s(retries: int, base_s: float, max_s: float,
+                    draw: Callable[[], float] = random.random) -> float:
+    """The wait before retry ``retries + 1``: the step ``base_s * 2**retries`` (at most
+    ``max_s``), with equal jitter: between half the step and the step (``draw`` in [0, 1]).
+    Full jitter (0 to the step) lets every retry of a run wait next to nothing, so a
+    store restart of a few seconds would outlast them all; this keeps the total at least
+    half the steps' sum (31 s for five retries at the defaults, 2 s doubling)."""
+    step = min(max_s, base_s * 2.0 ** min(retries, 64))
+    return step / 2 + step / 2 * draw()
+
+
 class LeaseTask(Task):  # type: ignore[misc]
     """Base class of every leasekeeper task."""
 
@@ -111,12 +123,8 @@ class LeaseTask(Task):  # type: ignore[misc]
 
     def backoff_s(self) -> float:
         settings = self.runtime.settings
-        # Celery's function works in whole units: use milliseconds for sub-second bases.
-        millis: int = get_exponential_backoff_interval(
-            factor=round(settings.retry_backoff_base_s * 1000), retries=self.request.retries,
-            maximum=round(settings.retry_backoff_max_s * 1000), full_jitter=True,
-        )
-        return millis / 1000.0
+        return retry_backoff_s(self.request.retries, settings.retry_backoff_base_s,
+                               settings.retry_backoff_max_s)
 
     @contextlib.contextmanager
     def retrying(

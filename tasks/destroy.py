@@ -29,11 +29,22 @@ from providers.errors import (
 )
 from tasks.base import LeaseTask
 from tasks.leases import handle, later
+from tasks.redaction import scrub_text
+from tasks.text import storable
 from workers.app import app
 from workers.runtime import Runtime
 
 log = logging.getLogger("leasekeeper.destroy")
 DESTROYABLE = LIVE_STATES | {LeaseState.PENDING_CLEANUP}
+DEFAULT_REASON = "requested"
+REASON_MAX_CHARS = 200  # what a destroy's event keeps of its reason
+END_REASON_MAX_CHARS = 64  # what the lease's end_reason (and its runs' error) keeps
+
+
+def clean_reason(reason: str) -> str:
+    """A destroy reason as the store keeps it: secrets scrubbed, what no store holds
+    replaced (tasks/text.py), trimmed, at most REASON_MAX_CHARS; blank: "requested"."""
+    return storable(scrub_text(reason)).strip()[:REASON_MAX_CHARS].strip() or DEFAULT_REASON
 
 
 class DestroyResult(StrEnum):
@@ -67,8 +78,10 @@ def destroy_lease(rt: Runtime, lease_id: str, reason: str, task_id: str | None,
     """Destroy the lease's sandbox; with ``bound_to``, only while the lease is bound to
     that run (a reclaim: a run of the thread that reused the sandbox meanwhile keeps it)."""
     store = rt.store
+    reason = clean_reason(reason)
     claimed = store.claim_to_destroy(lease_id, DESTROYABLE, f"destroy: {reason}", task_id,
-                                     first_end_reason=reason[:64], bound_to=bound_to)
+                                     first_end_reason=reason[:END_REASON_MAX_CHARS],
+                                     bound_to=bound_to)
     if claimed is None:
         current = store.get_lease(lease_id)
         if current.state in FINAL_STATES:
@@ -88,7 +101,8 @@ def destroy_lease(rt: Runtime, lease_id: str, reason: str, task_id: str | None,
                                task_id)
     end_reason = claimed.end_reason or reason
     store.move(lease_id, {LeaseState.DESTROYING}, LeaseState.DESTROYED,
-               f"destroyed ({outcome}): {reason}", task_id, end_reason=end_reason[:64],
+               f"destroyed ({outcome}): {reason}", task_id,
+               end_reason=end_reason[:END_REASON_MAX_CHARS],
                next_cleanup_at=None)
     return Destroyed(lease_id, DestroyResult.DESTROYED, LeaseState.DESTROYED)
 
@@ -119,11 +133,10 @@ def _record_failure(
 
 
 @app.task(bind=True, base=LeaseTask, name="lease.destroy")
-def destroy(self: LeaseTask, lease_id: str, reason: str = "requested") -> dict[str, Any]:
+def destroy(self: LeaseTask, lease_id: str, reason: str = DEFAULT_REASON) -> dict[str, Any]:
     if not isinstance(reason, str):
         raise InvalidRequest("invalid lease.destroy payload: reason must be a string; got "
                              f"{type(reason).__name__}")
-    reason = reason[:200]
     with self.retrying():
         done = destroy_lease(self.runtime, lease_id, reason, self.request.id)
     if done.error is not None:

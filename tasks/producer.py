@@ -22,7 +22,7 @@ from kombu.exceptions import OperationalError
 from providers.errors import BrokerUnavailable, InvalidRequest
 from providers.spec import SandboxSpec, check_id
 from tasks.acquire import acquire, parse_acquire
-from tasks.destroy import destroy
+from tasks.destroy import clean_reason, destroy
 from tasks.reclaim import reclaim
 from tasks.resume import resume_check
 from tasks.runs import attach_run as _attach
@@ -31,7 +31,7 @@ from tasks.runs import detach_run as _detach
 from tasks.runs import finish_run as _finish
 from tasks.runs import touch_lease as _touch
 from workers.pool_settings import resolve_spec
-from workers.settings import get_settings
+from workers.settings import PROVIDER_NAMES, Settings, get_settings
 
 
 def _id(kind: str, value: object) -> str:
@@ -117,13 +117,26 @@ def acquire_lease(run_id: str, spec: SandboxSpec | Mapping[str, Any] | None = No
         # Refused here when this process knows the pools (a backend that does not declare
         # them leaves it to the worker): an unknown pool, a field its template decides.
         resolve_spec(settings.pools, parsed)
-    providers = settings.providers
-    if parsed.provider is not None and parsed.provider not in providers:
-        raise InvalidRequest(
-            f"unknown provider {parsed.provider!r}: this installation enables "
-            f"{', '.join(providers)} (LEASEKEEPER_PROVIDERS)"
-        )
+    if parsed.provider is not None:
+        check_provider(parsed.provider, settings)
     return _send(acquire, {"run_id": run_id, "spec": parsed.to_payload()})
+
+
+def check_provider(name: str, settings: Settings) -> None:
+    """Refuse a provider this process knows the workers cannot have. A web process that
+    sets LEASEKEEPER_PROVIDERS keeps to that list; one that does not (most set only the
+    broker URL) cannot know the workers' list, so it refuses only names no leasekeeper
+    has: its own default (``local``) says nothing about the workers."""
+    if "providers" in settings.model_fields_set:
+        if name not in settings.providers:
+            raise InvalidRequest(
+                f"unknown provider {name!r}: this installation enables "
+                f"{', '.join(settings.providers)} (LEASEKEEPER_PROVIDERS)")
+    elif name not in PROVIDER_NAMES:
+        raise InvalidRequest(
+            f"unknown provider {name!r}: leasekeeper has the providers "
+            f"{', '.join(PROVIDER_NAMES)}; name one the workers enable "
+            "(their LEASEKEEPER_PROVIDERS)")
 
 
 def check_resumable(lease_id: str) -> AsyncResult:
@@ -134,7 +147,8 @@ def destroy_lease(lease_id: str, reason: str = "requested") -> AsyncResult:
     if not isinstance(reason, str):
         raise InvalidRequest(f"invalid lease.destroy payload: reason must be a string; got "
                              f"{type(reason).__name__}")
-    return _send(destroy, {"lease_id": _id("lease_id", lease_id), "reason": reason[:200]})
+    return _send(destroy, {"lease_id": _id("lease_id", lease_id),
+                           "reason": clean_reason(reason)})
 
 
 def finish_run(run_id: str, status: str, exit_code: int | None = None,

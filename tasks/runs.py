@@ -9,7 +9,6 @@ deadline; nothing else does (background traffic inside a sandbox never keeps it 
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from models.schema import RunStatus
@@ -21,6 +20,7 @@ from tasks.base import LeaseTask
 from tasks.leases import later
 from tasks.reclaim import reclaim
 from tasks.redaction import scrub_text
+from tasks.text import storable
 from workers.app import app
 from workers.runtime import Runtime
 
@@ -31,11 +31,6 @@ FINISH_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.AB
                              RunStatus.INTERRUPTED})
 # What a run keeps of the error its finish reports (the cut is said in the text)
 ERROR_MAX_CHARS = 2000
-REPLACEMENT = "\N{REPLACEMENT CHARACTER}"
-# What no store can hold (PostgreSQL text has no NUL; UTF-8 has no lone surrogate, which
-# JSON's "\ud800" decodes to), and control characters a log or terminal would act on;
-# newline, tab and carriage return stay.
-_UNSTORABLE = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f\ud800-\udfff]")
 
 
 def clean_error(error: str | None, marks: secret_marks.Marks | None = None) -> str | None:
@@ -49,7 +44,7 @@ def clean_error(error: str | None, marks: secret_marks.Marks | None = None) -> s
     text = scrub_text(error)
     if marks is not None:
         text = secret_marks.scrub(text, marks, limit_chars=ERROR_MAX_CHARS)
-    text = _UNSTORABLE.sub(REPLACEMENT, text)
+    text = storable(text)
     if len(text) <= ERROR_MAX_CHARS:
         return text
     note = f"... [{len(text)} characters; the rest cut]"

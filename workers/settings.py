@@ -140,7 +140,7 @@ class Settings(BaseSettings):
     # blocks the next one (row claims keep an overrunning tick safe).
     sweep_lock_ttl_s: float = Field(default=300.0, gt=0)
 
-    # Task retry policy (exponential backoff with full jitter, capped).
+    # Task retry policy (exponential backoff with equal jitter, capped: tasks/base.py).
     task_max_retries: int = Field(default=5, ge=0)
     retry_backoff_base_s: float = Field(default=2.0, gt=0)
     retry_backoff_max_s: float = Field(default=300.0, gt=0)

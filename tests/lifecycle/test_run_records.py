@@ -15,7 +15,13 @@ import pytest
 from models.invariants import check
 from models.schema import LeaseState, ReclaimOutcome, RunStatus, utcnow
 from models.store import RunChange, Store
-from providers.errors import InvalidRequest, NotFound, TransientProviderError
+from providers.errors import (
+    InvalidRequest,
+    NotFound,
+    RunNotRecorded,
+    TransientProviderError,
+    is_transient,
+)
 from providers.spec import SandboxSpec
 from tasks.acquire import acquire_lease
 from tasks.destroy import destroy_lease
@@ -144,8 +150,10 @@ def test_an_interrupted_run_finishes_later_and_only_then_is_reclaimed(rt: Runtim
 
 
 def test_a_finish_of_an_unknown_run_says_to_acquire_first(rt: Runtime) -> None:
-    with pytest.raises(NotFound, match="no run 'ghost'; acquire a lease for it first"):
+    # RunNotRecorded is transient: the task retries it until its acquire records the run
+    with pytest.raises(RunNotRecorded, match="no run 'ghost' yet; acquire a lease for it first"):
         finish(rt, "ghost", RunStatus.COMPLETED, 0, None)
+    assert is_transient(RunNotRecorded("x"))
     assert rt.store.get_run("ghost") is None
 
 
