@@ -250,6 +250,17 @@ class SandboxSpec(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _reuse_needs_a_key(self) -> SandboxSpec:
+        # Without either, the reuse key would be the tenant's alone: every reusing run of
+        # the tenant would share one sandbox, holding the first run's env and secrets.
+        if self.reuse and self.thread_id is None and self.sandbox_key is None:
+            raise ValueError("reuse needs thread_id or sandbox_key: without either, every "
+                             "reusing run of the tenant would share one sandbox (and the "
+                             "first run's env and secrets); pass the thread's id, or set "
+                             "reuse to false")
+        return self
+
+    @model_validator(mode="after")
     def _total_size(self) -> SandboxSpec:
         total = self.total_chars()
         if total > MAX_SPEC_CHARS:
