@@ -724,8 +724,7 @@ class KubernetesProvider:
             failures.append(PartFailure("workload", exc))
         for pod in pods:
             try:
-                deleted += self._delete_verified(
-                    pod, name, lambda p: api.delete_pod(name_of(p), uid_of(p)))
+                deleted += self._destroy_pod(api, pod, name)
             except ProviderError as exc:
                 failures.append(PartFailure("pod", exc))
         if target is not None:
@@ -758,6 +757,22 @@ class KubernetesProvider:
             current = api.get_workload(backend, name)
             return self._delete_verified(
                 current, name, lambda w: api.delete_workload(backend, name, uid_of(w)))
+        except KubeNotFound:
+            return 0
+
+    def _destroy_pod(self, api: KubeApi, pod: Obj, name: str) -> int:
+        """1 if the listed pod, or the one holding its name now, was deleted. A 409 says the
+        name holds another incarnation (its controller made it again since the list: the
+        workload was not gone yet): that one goes too if it is ours."""
+        def delete(found: Obj) -> object:
+            return api.delete_pod(name_of(found), uid_of(found))
+
+        try:
+            return self._delete_verified(pod, name, delete)
+        except ProviderConflict:
+            pass
+        try:
+            return self._delete_verified(api.get_pod(name_of(pod)), name, delete)
         except KubeNotFound:
             return 0
 

@@ -79,6 +79,24 @@ def test_destroy_workload_500_still_deletes_pod_and_secret(kenv: KubeEnv) -> Non
     kenv.wait("sandbox", request.name, gone)
 
 
+def test_destroy_deletes_the_pod_that_holds_the_name_when_the_listed_one_was_replaced(
+        kenv: KubeEnv) -> None:
+    # given a live lease whose pod's delete answers 409 once, as when its controller made
+    # the pod again under the same name between the destroy's list and its delete (the uid
+    # precondition names the listed incarnation)
+    request = kenv.request()
+    acquired = kenv.provider.acquire(request)
+    kenv.proxy.fail("DELETE", rf"/pods/{request.name}$", 409, reason="Conflict",
+                    message="Precondition failed: UID in precondition: x, UID in object meta: y")
+    # when destroying; then the pod holding the name now is read and deleted: no failure
+    assert kenv.provider.destroy(kenv.handle(request.name, **acquired.meta)) is (
+        DestroyOutcome.DESTROYED)
+    # (read again after the 409; deleted then, unless the Sandbox's deletion took it first)
+    assert kenv.proxy.count("GET", rf"/pods/{request.name}$") == 1
+    kenv.wait("sandbox", request.name, gone)
+    kenv.wait("pod", request.name, gone)
+
+
 def test_destroy_reports_every_failed_part_together(kenv: KubeEnv) -> None:
     request = kenv.request()
     acquired = kenv.provider.acquire(request)
