@@ -54,7 +54,9 @@ def result_repr(value: Any, maxlen: int | None = None, maxlevels: int = 3,
     """saferepr's text of ``value`` (same signature), by ``repr`` when that is the same."""
     if _plain(value, 0):
         text = repr(value)
-        if maxlen is None or len(text) <= maxlen:
+        # strictly shorter: saferepr cuts a scalar token as long as what is left of maxlen
+        # ("...": a top-level 16-digit int at maxlen 16)
+        if maxlen is None or len(text) < maxlen:
             return text
     return str(saferepr(value, maxlen, maxlevels, seen))
 

@@ -31,6 +31,13 @@ def test_the_text_is_saferepr_for_any_json_like_value(value: Any, maxlen: int | 
     assert rr.result_repr(value, maxlen) == saferepr(value, maxlen)
 
 
+@pytest.mark.parametrize("value", [-447333805507829, 1818512063913950, 1.5e-05 * 10, None])
+def test_a_scalar_exactly_as_long_as_maxlen_is_cut_as_saferepr_cuts_it(value: Any) -> None:
+    # (hypothesis found the first: saferepr writes "-447333805507829..." at maxlen 16)
+    maxlen = len(repr(value))
+    assert rr.result_repr(value, maxlen) == saferepr(value, maxlen)
+
+
 RESULTS: list[Any] = [
     {"result": "acquired", "run_id": "run-42", "lease_id": "019ae4a1b2c3d4e5f6a7b8c9d0e1f2a3",
      "provider": "noop", "provider_lease_id": "lk-019ae4a1b2c3d4e5f6a7b8c9d0e1f2a3",
