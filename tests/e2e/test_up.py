@@ -277,3 +277,90 @@ def test_a_child_that_exits_after_start_stops_up_with_its_log(tmp_path: Path) ->
     assert "Traceback" not in out
     assert not (tmp_path / ".var" / "env").exists()
     assert_closed(broker_port(out))
+
+
+@pytest.mark.timeout(600)
+def test_a_second_up_in_the_same_folder_is_refused_naming_the_first(tmp_path: Path) -> None:
+    # Before: the second up started a second backend on the first one's store and
+    # overwrote .var/env and the Flower credentials, so the first could not be found.
+    env = user_env(LEASEKEEPER_FLOWER_PORT="0")
+    with up(tmp_path, env) as first:
+        first.wait_for("press Ctrl-C to stop")
+        env_before = (tmp_path / ".var" / "env").read_text()
+        credentials = (tmp_path / ".var" / "flower-credentials").read_text()
+        with up(tmp_path, env) as second:  # stopped by SIGTERM if it does start
+            eventually(lambda: second.proc.poll() is not None, 60, "the second up to exit")
+            said = second.text
+        assert second.proc.returncode == 2, said
+        assert f"another `leasekeeper up` (pid {first.proc.pid}) is already running" in said
+        assert "Traceback" not in said
+        assert "starting" not in said  # refused before it started anything
+        assert (tmp_path / ".var" / "env").read_text() == env_before
+        assert (tmp_path / ".var" / "flower-credentials").read_text() == credentials
+        status = leasekeeper("status", "--json", env=env, cwd=tmp_path)
+        assert status.returncode in (0, 1), status.stderr  # the first still answers
+        assert first.proc.poll() is None
+        said = first.interrupt()
+    assert first.proc.returncode == 0, said
+    # Once the first has stopped, the folder is free again.
+    assert not (tmp_path / ".var" / "env").exists()
+
+
+def _children(pid: int) -> list[int]:
+    import psutil
+
+    return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+
+
+def _kill_leftovers(pids: list[int]) -> list[int]:
+    """Kill (by pid) whatever of up's own children outlived it; return which did."""
+    import psutil
+
+    left = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+                os.kill(pid, signal.SIGKILL)
+    return left
+
+
+@pytest.mark.timeout(600)
+def test_closing_the_terminal_stops_every_child(tmp_path: Path) -> None:
+    # Before: SIGHUP killed up itself and left Redis, worker, beat, Flower, the exporter
+    # and the console running, each in its own session.
+    env = user_env(LEASEKEEPER_FLOWER_PORT="0")
+    with up(tmp_path, env) as process:
+        text = process.wait_for("press Ctrl-C to stop")
+        children = _children(process.proc.pid)
+        assert len(children) >= 6, children
+        try:
+            os.kill(process.proc.pid, signal.SIGHUP)
+            process.proc.wait(120)
+        finally:
+            left = _kill_leftovers(children)
+        said = process.text
+    assert left == [], f"still running after SIGHUP: {left}\n{said}"
+    assert process.proc.returncode == 0, said
+    assert "stopping worker, beat, Flower and Redis" in said
+    assert not (tmp_path / ".var" / "env").exists()
+    assert_closed(broker_port(text))
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_during_the_demo_leaves_no_demo_sandbox_unsaid(tmp_path: Path) -> None:
+    # Before: "interrupted while starting; everything it started is stopped" while the
+    # demo's sandboxes kept running.
+    env = user_env(LEASEKEEPER_FLOWER_PORT="0")
+    with up(tmp_path, env, "--demo", "5") as process:
+        process.wait_for("→ active")  # the demo's first sandbox runs
+        said = process.interrupt()
+    assert "everything it started is stopped" not in said, said
+    assert "interrupted during the demo: destroying the leases it made" in said, said
+    sandboxes = tmp_path / ".var" / "sandboxes"
+    left = sorted(p.name for p in sandboxes.iterdir()) if sandboxes.exists() else []
+    if left:  # an acquire still under way may finish after the destroys: then it is said
+        assert "stays running after leasekeeper stops" in said, said
+        assert all(name in said for name in left), (left, said)
+    else:
+        assert "no lease is live and no sandbox is running" in said, said
