@@ -207,3 +207,28 @@ def page_footer(page: Page[Any], noun: str) -> str:
     """'50 of 10,000+ lease(s); next page: --before <id>'."""
     more = f"; next page: --before {page.next_before}" if page.next_before else ""
     return f"{len(page.rows)} of {page.total_text} {noun}{more}"
+
+
+def command_name() -> str:
+    """How to type the running `leasekeeper` command in this directory: plain `leasekeeper`
+    when PATH finds this same entry point; else its path (relative to the current
+    directory when inside it, e.g. `.venv/bin/leasekeeper` after `make run`); `python -m
+    workers.cli` when run that way."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    def shown(path: Path) -> str:
+        absolute = Path(os.path.abspath(path))
+        try:
+            return str(absolute.relative_to(Path.cwd()))
+        except ValueError:
+            return str(absolute)
+
+    entry = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if entry is None or entry.name in {"cli.py", "__main__.py", "-m", "-c"}:
+        return f"{shown(Path(sys.executable))} -m workers.cli"
+    on_path = shutil.which(entry.name)
+    if on_path is not None and os.path.samefile(on_path, os.path.abspath(entry)):
+        return entry.name
+    return shown(entry)

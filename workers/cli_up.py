@@ -22,6 +22,7 @@ from typing import Annotated
 import typer
 
 from providers.errors import ConfigError, LeasekeeperError
+from workers.cli_common import command_name
 from workers.settings import Settings, env_file_path, get_settings, load_settings
 
 # Short sweep intervals and detach TTL so the demo shows reaping within seconds. Only the
@@ -220,8 +221,8 @@ def _banner(settings: Settings, flower_url: str, flower_auth: str, logdir: Path,
     if metrics_url:
         say(f"metrics: {metrics_url}; lease console: {console_url} (the same basic auth)")
     say(f"logs: {logdir}")
-    typer.echo(f"\nIn another shell in {Path.cwd()}, `leasekeeper status` and the producer "
-               f"find this backend through {env_file}.\nElsewhere, paste:\n"
+    typer.echo(f"\nIn another shell in {Path.cwd()}, `{command_name()} status` and the "
+               f"producer find this backend through {env_file}.\nElsewhere, paste:\n"
                + "".join(f"  export {k}={v}\n" for k, v in client_env.items()))
 
 
@@ -284,8 +285,9 @@ def _what_stays_running() -> None:
     say(f"stays running after leasekeeper stops: {counts} lease(s) and "
         f"{len(sandboxes)} sandbox(es) ({', '.join(sandboxes) or 'none'}), kept so their "
         "runs can resume.")
-    say("to end them, start `leasekeeper up` again and run `leasekeeper leases destroy "
-        "--state active --yes` (or `leasekeeper leases destroy <lease id>`)")
+    command = command_name()
+    say(f"to end them, start `{command} up` again and run `{command} leases destroy "
+        f"--state active --yes` (or `{command} leases destroy <lease id>`)")
 
 
 def flower(

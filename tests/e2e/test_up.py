@@ -28,10 +28,11 @@ from tests.stack import REPO
 class Up:
     """A `leasekeeper up` child process whose output is read as it comes."""
 
-    def __init__(self, cwd: Path, env: dict[str, str], *args: str) -> None:
+    def __init__(self, cwd: Path, env: dict[str, str], *args: str,
+                 command: tuple[str, ...] = (sys.executable, "-m", "workers.cli")) -> None:
         self.out = cwd / f"up-{time.monotonic_ns()}.out"
         with open(self.out, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "up", *args],
+            self.proc = subprocess.Popen([*command, "up", *args],
                                          cwd=cwd, env=env, stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -64,8 +65,9 @@ class Up:
 
 
 @contextlib.contextmanager
-def up(cwd: Path, env: dict[str, str], *args: str) -> Iterator[Up]:
-    process = Up(cwd, env, *args)
+def up(cwd: Path, env: dict[str, str], *args: str,
+       command: tuple[str, ...] = (sys.executable, "-m", "workers.cli")) -> Iterator[Up]:
+    process = Up(cwd, env, *args, command=command)
     try:
         yield process
     finally:
@@ -149,7 +151,7 @@ def test_a_new_users_hour_from_one_directory(tmp_path: Path) -> None:
         said = first.interrupt()
     assert first.proc.returncode == 0, said
     assert "stays running after leasekeeper stops: 1 active lease(s) and 1 sandbox(es)" in said
-    assert f"lk-{kept}" in said and "leasekeeper leases destroy --state active --yes" in said
+    assert f"lk-{kept}" in said and " leases destroy --state active --yes" in said
     assert not (tmp_path / ".var" / "env").exists()
 
     # Before: "BAD 1 sandbox(es) still running: lk-01a23a91…" and exit 1.
@@ -364,3 +366,27 @@ def test_ctrl_c_during_the_demo_leaves_no_demo_sandbox_unsaid(tmp_path: Path) ->
         assert all(name in said for name in left), (left, said)
     else:
         assert "no lease is live and no sandbox is running" in said, said
+
+
+@pytest.mark.timeout(600)
+def test_up_names_the_command_as_it_can_be_typed_here(tmp_path: Path) -> None:
+    # Before: "`leasekeeper status`", which is not on PATH after `make run`.
+    import shutil
+
+    entry = Path(sys.executable).parent / "leasekeeper"
+    if not entry.is_file():
+        pytest.skip(f"no `leasekeeper` entry point beside {sys.executable}")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    shutil.copy2(entry, tmp_path / ".venv" / "bin" / "leasekeeper")  # as `make run` makes it
+    env = user_env(LEASEKEEPER_FLOWER_PORT="0",
+                   PATH=os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                        if not (Path(p) / "leasekeeper").exists()))
+    with up(tmp_path, env, command=(".venv/bin/leasekeeper",)) as process:
+        text = process.wait_for("press Ctrl-C to stop")
+        assert f"In another shell in {tmp_path}, `.venv/bin/leasekeeper status`" in text
+        status = subprocess.run([".venv/bin/leasekeeper", "status", "--json"], cwd=tmp_path,
+                                env=env, capture_output=True, text=True, timeout=120,
+                                check=False)
+        assert status.returncode in (0, 1), status.stderr  # the command it names works
+        said = process.interrupt()
+    assert process.proc.returncode == 0, said
