@@ -3,6 +3,7 @@ naming the setting, the address and the fix, never a traceback or a silent hang.
 
     check_broker(url)   Redis answers a PING within a second or two (not something
                         else, an HTTP server, say)                   -> BrokerUnavailable
+                        and takes the URL's password                 -> ConfigError
     check_store(url)    the driver is installed, the SQLite folder and file exist, the
                         schema is at the latest migration            -> ConfigError
                                                                          StoreUnavailable
@@ -46,10 +47,29 @@ def check_broker(url: str, timeout_s: float = 2.0) -> None:
                                   socket_connect_timeout=timeout_s)
     try:
         client.ping()
-    except redis.RedisError as exc:  # refused, silent, a password needed, or not Redis
+    except redis.AuthenticationError as exc:  # a setting to fix, not a service to wait for
+        raise ConfigError(broker_unreachable(url, exc, sending=False)) from None
+    except redis.RedisError as exc:  # refused, silent, or not Redis
         raise BrokerUnavailable(broker_unreachable(url, exc, sending=False)) from None
     finally:
         client.close()
+
+
+def refuse_a_broker_that_refuses_us(process: str) -> None:
+    """At a worker's or beat's start: a broker that refuses the URL's password will never
+    let it in, so exit at once (code 2) naming LEASEKEEPER_BROKER_URL, instead of retrying
+    for ever under "Cannot connect". A broker not answering yet is no reason to refuse
+    (Celery retries until it does)."""
+    from workers.settings import get_settings
+
+    try:
+        check_broker(get_settings().effective_broker_url)
+    except ConfigError as exc:
+        logging.getLogger("leasekeeper.preflight").critical(
+            "leasekeeper %s not started: %s", process, exc)
+        sys.exit(2)
+    except BrokerUnavailable:
+        pass  # Celery says so, and retries
 
 
 def shown(url: str | URL) -> str:
