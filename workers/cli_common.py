@@ -172,10 +172,15 @@ def parse_duration(text: str, option: str) -> timedelta:
 
 def not_empty(value: Any) -> Any:
     """An option's callback: a filter given an empty value is refused, never dropped (which
-    would match everything: `destroy --tenant ''` would pick every tenant's leases)."""
+    would match everything: `destroy --tenant ''` would pick every tenant's leases); one
+    that is not text (undecodable bytes) is refused too, saying so."""
     values = value if isinstance(value, list) else [value]
     if any(v is not None and not v.strip() for v in values):
         raise typer.BadParameter("must not be empty; leave the option out to match every value")
+    for v in values:  # bytes the locale cannot decode arrive as lone surrogates
+        if v is not None and re.search("[\ud800-\udfff]", v):
+            raise typer.BadParameter(f"{v[:40]!r} is not valid text (bytes that are not "
+                                     "UTF-8); give the value as text")
     return value
 
 
@@ -195,6 +200,19 @@ def check_option_id(option: str, value: str) -> str:
         return check_id(option.lstrip("-"), value)
     except ValueError as exc:
         raise typer.BadParameter(str(exc), param_hint=option) from None
+
+
+def check_id_argument(kind: str, value: str, hint: str) -> str:
+    """An id given as an argument (a lease or run id, or a lease id's prefix) in the id
+    format, else InvalidRequest (exit 2) saying why: a malformed id, or bytes that are not
+    text, is bad input, not an id that is missing."""
+    from providers.errors import InvalidRequest
+    from providers.spec import check_id
+
+    try:
+        return check_id(kind, value)
+    except ValueError as exc:
+        raise InvalidRequest(f"{exc}; {hint}") from None
 
 
 def page_json(kind: str, rows: list[dict[str, Any]], page: Page[Any]) -> dict[str, Any]:

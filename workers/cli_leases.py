@@ -18,6 +18,7 @@ from models.schema import LIVE_STATES, Lease, LeaseEvent, LeaseState, Run, utcno
 from workers.cli_common import (
     ExitCode,
     age,
+    check_id_argument,
     check_option_id,
     emit_json,
     error_line,
@@ -113,6 +114,7 @@ def resolve(lease_id: str) -> Lease:
     from models.reports import lease_ids_starting
     from providers.errors import InvalidRequest, NotFound
 
+    check_id_argument("lease id", lease_id, "`leasekeeper leases list` shows the ids")
     store = runtime().store
     lease = store.find_lease(lease_id)
     if lease is not None:
