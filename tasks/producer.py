@@ -101,12 +101,39 @@ def broker_unreachable(url: str, exc: BaseException, sending: bool = True) -> st
 
     where = f"the broker at {maybe_sanitize_url(url)} (LEASEKEEPER_BROKER_URL)"
     unsent = "; nothing was sent." if sending else "."
+    refused = auth_failure(exc)
+    if refused is not None:
+        return f"{where} answers but authentication failed ({refused}){unsent} " + (
+            "Fix the password in LEASEKEEPER_BROKER_URL (redis://:PASSWORD@host:port/db; "
+            "or remove it if this Redis needs none)" if _has_password(url) else
+            "This Redis needs a password: put it in LEASEKEEPER_BROKER_URL "
+            "(redis://:PASSWORD@host:port/db)")
     if isinstance(exc, redis.exceptions.InvalidResponse):  # an HTTP server, say
         return (f"{where} is not Redis: what answers there speaks another protocol "
                 f"({str(exc)[:80]}){unsent} Point the URL at Redis, then retry")
     reason = str(exc).split(". ")[-1].strip(". ") or type(exc).__name__
     return (f"{where} is unreachable ({reason}){unsent} Start Redis there or fix the URL, "
             "then retry")
+
+
+def auth_failure(exc: BaseException | None) -> str | None:
+    """Redis's reason when ``exc`` (or what caused it: kombu wraps it) is a refused
+    password (WRONGPASS, NOAUTH, a password this Redis does not have), else None."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if isinstance(exc, redis.exceptions.AuthenticationError):
+            return str(exc).strip(". ")[:120] or "the password was refused"
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return None
+
+
+def _has_password(url: str) -> bool:
+    from urllib.parse import urlsplit
+
+    try:
+        return bool(urlsplit(url).password)
+    except ValueError:
+        return False
 
 
 def acquire_lease(run_id: str, spec: SandboxSpec | Mapping[str, Any] | None = None

@@ -143,6 +143,22 @@ def _warn_unknown_settings(**_: Any) -> None:
 
 # A store with no schema, or an older one: exit (code 2) saying what to run, instead of
 # failing every task and sweep (workers/preflight.py).
+# A broker that refuses the password: exit (code 2) naming the setting, instead of
+# retrying for ever (workers/preflight.py).
+@worker_init.connect
+def _worker_refuses_a_broker_password_refused(**_: Any) -> None:
+    from workers.preflight import refuse_a_broker_that_refuses_us
+
+    refuse_a_broker_that_refuses_us("worker")
+
+
+@beat_init.connect
+def _beat_refuses_a_broker_password_refused(**_: Any) -> None:
+    from workers.preflight import refuse_a_broker_that_refuses_us
+
+    refuse_a_broker_that_refuses_us("beat")
+
+
 @worker_init.connect
 def _worker_refuses_a_store_not_at_head(**_: Any) -> None:
     from workers.preflight import refuse_a_store_not_at_head

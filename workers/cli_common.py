@@ -172,10 +172,15 @@ def parse_duration(text: str, option: str) -> timedelta:
 
 def not_empty(value: Any) -> Any:
     """An option's callback: a filter given an empty value is refused, never dropped (which
-    would match everything: `destroy --tenant ''` would pick every tenant's leases)."""
+    would match everything: `destroy --tenant ''` would pick every tenant's leases); one
+    that is not text (undecodable bytes) is refused too, saying so."""
     values = value if isinstance(value, list) else [value]
     if any(v is not None and not v.strip() for v in values):
         raise typer.BadParameter("must not be empty; leave the option out to match every value")
+    for v in values:  # bytes the locale cannot decode arrive as lone surrogates
+        if v is not None and re.search("[\ud800-\udfff]", v):
+            raise typer.BadParameter(f"{v[:40]!r} is not valid text (bytes that are not "
+                                     "UTF-8); give the value as text")
     return value
 
 
@@ -197,6 +202,19 @@ def check_option_id(option: str, value: str) -> str:
         raise typer.BadParameter(str(exc), param_hint=option) from None
 
 
+def check_id_argument(kind: str, value: str, hint: str) -> str:
+    """An id given as an argument (a lease or run id, or a lease id's prefix) in the id
+    format, else InvalidRequest (exit 2) saying why: a malformed id, or bytes that are not
+    text, is bad input, not an id that is missing."""
+    from providers.errors import InvalidRequest
+    from providers.spec import check_id
+
+    try:
+        return check_id(kind, value)
+    except ValueError as exc:
+        raise InvalidRequest(f"{exc}; {hint}") from None
+
+
 def page_json(kind: str, rows: list[dict[str, Any]], page: Page[Any]) -> dict[str, Any]:
     """A listing page as JSON: its rows, the (capped) total and the next page's cursor."""
     return {kind: rows, "limit": page.limit, "total": page.total,
@@ -207,3 +225,28 @@ def page_footer(page: Page[Any], noun: str) -> str:
     """'50 of 10,000+ lease(s); next page: --before <id>'."""
     more = f"; next page: --before {page.next_before}" if page.next_before else ""
     return f"{len(page.rows)} of {page.total_text} {noun}{more}"
+
+
+def command_name() -> str:
+    """How to type the running `leasekeeper` command in this directory: plain `leasekeeper`
+    when PATH finds this same entry point; else its path (relative to the current
+    directory when inside it, e.g. `.venv/bin/leasekeeper` after `make run`); `python -m
+    workers.cli` when run that way."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    def shown(path: Path) -> str:
+        absolute = Path(os.path.abspath(path))
+        try:
+            return str(absolute.relative_to(Path.cwd()))
+        except ValueError:
+            return str(absolute)
+
+    entry = Path(sys.argv[0]) if sys.argv and sys.argv[0] else None
+    if entry is None or entry.name in {"cli.py", "__main__.py", "-m", "-c"}:
+        return f"{shown(Path(sys.executable))} -m workers.cli"
+    on_path = shutil.which(entry.name)
+    if on_path is not None and os.path.samefile(on_path, os.path.abspath(entry)):
+        return entry.name
+    return shown(entry)

@@ -13,11 +13,12 @@ from typing import Annotated, Any, NoReturn
 
 import typer
 
-from models.reports import LeaseFilter, lease_page
+from models.reports import MAX_LIMIT, LeaseFilter, Page, lease_page
 from models.schema import LIVE_STATES, Lease, LeaseEvent, LeaseState, Run, utcnow
 from workers.cli_common import (
     ExitCode,
     age,
+    check_id_argument,
     check_option_id,
     emit_json,
     error_line,
@@ -113,6 +114,7 @@ def resolve(lease_id: str) -> Lease:
     from models.reports import lease_ids_starting
     from providers.errors import InvalidRequest, NotFound
 
+    check_id_argument("lease id", lease_id, "`leasekeeper leases list` shows the ids")
     store = runtime().store
     lease = store.find_lease(lease_id)
     if lease is not None:
@@ -192,6 +194,8 @@ def leases_destroy(
     from tasks import producer
 
     rt = runtime()
+    page: Page[Lease] | None = None  # with filters: the page of leases they match
+    beyond = 0
     if lease_id is not None:
         if state or provider or tenant or older_than is not None:
             raise typer.BadParameter("give a lease id or filters, not both")
@@ -200,18 +204,21 @@ def leases_destroy(
         if not state:
             raise typer.BadParameter("give a lease id, or --state (and other filters) with "
                                      "--yes", param_hint="--state")
-        targets = lease_page(rt.store, _filter(state, provider, tenant, older_than),
-                             limit, counted=False).rows
+        page = lease_page(rt.store, _filter(state, provider, tenant, older_than), limit)
+        targets = page.rows
+        beyond = _beyond_limit(page)
         if not yes:  # the preview: it did what was asked, so exit 0
             if as_json:
                 emit_json({"dry_run": True, "would_destroy": [lease_json(x) for x in targets],
-                           "destroyed": []})
+                           "destroyed": [], "more_matching": beyond})
             else:
                 typer.echo(table(["lease", "state", "provider", "created"],
                                  [[x.lease_id, x.state, x.provider, x.created_at]
                                   for x in targets]))
-            typer.echo(f"would destroy {len(targets)} lease(s); nothing was destroyed: add "
-                       "--yes to do it", err=True)
+            more = (f" (the newest {len(targets)} of {page.total_text} that match: --limit "
+                    f"{page.limit})" if beyond else "")
+            typer.echo(f"would destroy {len(targets)} lease(s){more}; nothing was destroyed: "
+                       "add --yes to do it", err=True)
             raise typer.Exit(ExitCode.OK)
     require_broker()
     sent = [(x.lease_id, producer.destroy_lease(x.lease_id, reason)) for x in targets]
@@ -235,7 +242,8 @@ def leases_destroy(
     queued, running = (sum(r["result"] == kind for r in results)
                        for kind in ("queued", "running"))
     if as_json:
-        emit_json({"destroyed": results, "failed": failed, "unanswered": queued + running})
+        emit_json({"destroyed": results, "failed": failed, "unanswered": queued + running,
+                   **({"more_matching": beyond} if page is not None else {})})
     else:
         typer.echo(table(["lease", "result", "state", "task", "error"],
                          [[r["lease_id"], r.get("result"), r.get("state"), r["task_id"],
@@ -247,7 +255,18 @@ def leases_destroy(
     if running:
         error_line(f"{running} destroy(s) still running on a worker after {wait_s:g} s; "
                    "`leasekeeper leases show <id>` shows when each ends")
-    raise typer.Exit(ExitCode.NEEDS_ATTENTION if failed or queued or running else ExitCode.OK)
+    if page is not None and beyond:
+        error_line(f"{page.total_text} lease(s) match and --limit {page.limit} took the newest "
+                   f"{len(targets)}: {beyond}{'+' if page.total_capped else ''} more were not "
+                   "destroyed; run the same command again for the next ones, or raise --limit "
+                   f"(at most {MAX_LIMIT})")
+    raise typer.Exit(ExitCode.NEEDS_ATTENTION if failed or queued or running or beyond
+                     else ExitCode.OK)
+
+
+def _beyond_limit(page: Page[Lease]) -> int:
+    """How many leases match beyond the page (counted up to the count's cap)."""
+    return max(page.total - len(page.rows), 1) if page.next_before else 0
 
 
 @leases_cli.command("retry")

@@ -12,6 +12,7 @@ from models.schema import RunStatus, utcnow
 from providers.errors import NotFound
 from workers.cli_common import (
     age,
+    check_id_argument,
     check_option_id,
     emit_json,
     iso,
@@ -64,6 +65,7 @@ def runs_list(
 def runs_show(run_id: str, as_json: JsonOpt = False) -> None:
     """A run's fields and its lease."""
     rt = runtime()
+    check_id_argument("run id", run_id, "`leasekeeper runs list` shows them")
     run = rt.store.get_run(run_id)
     if run is None:
         raise NotFound(f"no run {run_id!r} in the store; `leasekeeper runs list` shows them")

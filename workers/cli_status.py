@@ -108,6 +108,15 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
     try:
         rt = runtime()
         ov = overview(rt.store)
+        from workers.preflight import check_store_writable
+
+        try:
+            check_store_writable(settings.effective_store_url)
+        except LeasekeeperError as exc:  # it reads, so the rest of the report still shows
+            verdict.problems.append(f"store: {exc}")
+            report["store_writable"] = False
+        else:
+            report["store_writable"] = True
         oldest = ov.oldest_pending_cleanup
         report["store"] = {
             "leases": ov.leases, "runs": ov.runs, "abandoned_total": ov.abandoned_total,
@@ -237,8 +246,8 @@ def _indent(text: str) -> str:
 def health(
     worker: Annotated[bool, typer.Option("--worker", help="A worker answers a ping.")] = False,
     beat: Annotated[bool, typer.Option("--beat", help="Beat ticked recently.")] = False,
-    store: Annotated[bool, typer.Option("--store", help="The store is reachable and "
-                                                        "migrated.")] = False,
+    store: Annotated[bool, typer.Option("--store", help="The store is reachable, "
+                                                        "migrated and writable.")] = False,
     broker: Annotated[bool, typer.Option("--broker", help="Redis answers.")] = False,
     node: Annotated[str | None, typer.Option(help="With --worker: this worker node "
                                                   "(e.g. leasekeeper@$HOSTNAME).")] = None,
@@ -259,7 +268,7 @@ def health(
 
 def _probe(check: Check, settings: Settings, node: str | None, timeout_s: float
            ) -> str | None:
-    from workers.preflight import check_broker, check_store
+    from workers.preflight import check_broker, check_store, check_store_writable
 
     try:
         match check:
@@ -267,6 +276,7 @@ def _probe(check: Check, settings: Settings, node: str | None, timeout_s: float
                 check_broker(settings.effective_broker_url)
             case Check.STORE:
                 check_store(settings.effective_store_url)
+                check_store_writable(settings.effective_store_url)
             case Check.WORKER:
                 check_broker(settings.effective_broker_url)
                 if not workers_online(timeout_s, node):

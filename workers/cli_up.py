@@ -15,12 +15,14 @@ import signal
 import sys
 import threading
 from datetime import datetime
+from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from providers.errors import ConfigError, LeasekeeperError
+from workers.cli_common import command_name
 from workers.settings import Settings, env_file_path, get_settings, load_settings
 
 # Short sweep intervals and detach TTL so the demo shows reaping within seconds. Only the
@@ -39,7 +41,36 @@ def register(cli: typer.Typer) -> None:
 
 
 def say(line: str) -> None:
-    typer.echo(f"{datetime.now():%H:%M:%S} {line}")
+    # After SIGHUP the terminal is gone: a line that cannot be written must not cut the
+    # stopping short.
+    with contextlib.suppress(OSError):
+        typer.echo(f"{datetime.now():%H:%M:%S} {line}")
+
+
+class StopSignals:
+    """Ctrl-C (SIGINT), SIGTERM and SIGHUP (the terminal closed) all stop `up` the same way.
+
+    While starting or during the demo the first one interrupts (KeyboardInterrupt); while
+    `up` waits, it only sets ``stop``. Any later one is ignored, so a second Ctrl-C cannot
+    cut the stopping of the children short. Installed first, so a shell that made the
+    process ignore SIGINT cannot keep Ctrl-C from stopping it."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.interrupting = True
+
+    def install(self) -> None:
+        for signum in self.SIGNALS:
+            signal.signal(signum, self._received)
+
+    def _received(self, signum: int, _frame: object) -> None:
+        if self.stop.is_set():
+            return
+        self.stop.set()
+        if self.interrupting:
+            raise KeyboardInterrupt
 
 
 def up(
@@ -48,18 +79,31 @@ def up(
     exit_after_demo: Annotated[bool, typer.Option(help="Stop once the demo is checked")] = False,
 ) -> None:
     """Bring up Redis (unless LEASEKEEPER_BROKER_URL is set), a worker, beat and Flower."""
+    from workers.up_lock import hold_var_dir
+
+    signals = StopSignals()
+    signals.install()
+    settings = load_settings(read_env_file=False)  # a stale env file must not steer `up`
+    try:
+        with hold_var_dir(settings.var_dir):  # one `up` per var dir, before touching it
+            ok = _up(settings, demo, exit_after_demo, signals)
+    except KeyboardInterrupt:
+        say("interrupted while starting; everything it started is stopped")
+        raise typer.Exit(130) from None
+    say("stopped")
+    raise typer.Exit(0 if ok else 1)
+
+
+def _up(settings: Settings, demo: int, exit_after_demo: bool, signals: StopSignals) -> bool:
+    """Run the backend until a stop signal (or the demo's end); True if all went well."""
     from workers.embedded import embedded_backend
 
-    settings = load_settings(read_env_file=False)  # a stale env file must not steer `up`
     env_file = env_file_path()
     env_file.unlink(missing_ok=True)
     demo_env = {f"LEASEKEEPER_{k}": v for k, v in DEMO_SETTINGS.items()
                 if f"LEASEKEEPER_{k}" not in os.environ} if demo else {}  # yours win
     say("starting " + ("Redis, " if not settings.broker_url else "")
         + "the store, a worker, beat and Flower ...")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    ok = True
     try:
         with embedded_backend(settings, demo_env,
                               lambda name, took: say(f"  {name} ready ({took:.1f} s)")) as backend:
@@ -71,33 +115,82 @@ def up(
             _banner(settings, backend.flower_url, backend.flower_auth, backend.logdir,
                     backend.notes, env_file, client_env, backend.metrics_url,
                     backend.console_url)
+            ok = True
             if demo:
-                from workers.demo import run_demo
-                from workers.runtime import get_runtime
-
-                ok = run_demo(get_runtime(), demo)
-                say("demo: every lease reached its expected state" if ok
-                    else "demo: some leases did NOT reach their expected state")
-            if not (demo and exit_after_demo):
-                if demo:
-                    _end_demo(backend, demo_env)
-                say("press Ctrl-C to stop")
-                # Ctrl-C (even where a shell made the process ignore SIGINT) and SIGTERM
-                # both stop it, after saying what stays running.
-                signal.signal(signal.SIGINT, lambda *_: stop.set())
-                with contextlib.suppress(KeyboardInterrupt):
-                    ok = _watch(backend, stop) and ok
-                typer.echo("")
-                _what_stays_running()
-                say("stopping worker, beat, Flower" + ("" if settings.broker_url
-                                                       else " and Redis") + " ...")
-    except KeyboardInterrupt:
-        say("interrupted while starting; everything it started is stopped")
-        raise typer.Exit(130) from None
+                outcome = _demo(demo)
+                if outcome is DemoOutcome.INTERRUPTED:
+                    _stopping(settings)
+                    return False
+                ok = outcome is DemoOutcome.AS_EXPECTED
+                if exit_after_demo:
+                    return ok
+                _end_demo(backend, demo_env)
+            say("press Ctrl-C to stop")
+            signals.interrupting = False
+            ok = _watch(backend, signals.stop) and ok
+            _stopping(settings)
+            return ok
     finally:
         env_file.unlink(missing_ok=True)
-    say("stopped")
-    raise typer.Exit(0 if ok else 1)
+
+
+class DemoOutcome(StrEnum):
+    AS_EXPECTED = "as-expected"
+    NOT_AS_EXPECTED = "not-as-expected"
+    INTERRUPTED = "interrupted"
+
+
+def _demo(count: int) -> DemoOutcome:
+    """Run the demo; interrupted (Ctrl-C, SIGTERM, SIGHUP), destroy the leases it made
+    while the worker still runs, so they are not left behind with nobody to end them."""
+    from workers.demo import run_demo
+    from workers.runtime import get_runtime
+
+    runs: list[str] = []
+    try:
+        ok = run_demo(get_runtime(), count, runs)
+    except KeyboardInterrupt:
+        with contextlib.suppress(OSError):
+            typer.echo("")
+        say("interrupted during the demo: destroying the leases it made ...")
+        _destroy_demo_leases(runs)
+        return DemoOutcome.INTERRUPTED
+    say("demo: every lease reached its expected state" if ok
+        else "demo: some leases did NOT reach their expected state")
+    return DemoOutcome.AS_EXPECTED if ok else DemoOutcome.NOT_AS_EXPECTED
+
+
+def _destroy_demo_leases(runs: list[str]) -> None:
+    """Destroy every live lease bound to one of the demo's runs (an acquire still under way
+    may finish after this: `_what_stays_running` then names what is left)."""
+    from celery.exceptions import CeleryError
+
+    from models.schema import LIVE_STATES
+    from tasks import producer
+    from workers.runtime import get_runtime
+
+    store = get_runtime().store
+    for run_id in runs:
+        run = store.get_run(run_id)
+        if run is None or run.lease_id is None:
+            continue
+        lease = store.get_lease(run.lease_id)
+        if lease.state not in LIVE_STATES:
+            continue
+        try:
+            done = producer.destroy_lease(lease.lease_id, reason="demo interrupted").get(60)
+            say(f"  lease {lease.lease_id}: {done['result']}")
+        except (LeasekeeperError, CeleryError, TimeoutError) as exc:
+            say(f"  lease {lease.lease_id}: could not destroy it ({type(exc).__name__}: "
+                f"{exc})")
+
+
+def _stopping(settings: Settings) -> None:
+    with contextlib.suppress(OSError):
+        typer.echo("")
+    _what_stays_running()
+    say("stopping worker, beat, Flower" + ("" if settings.broker_url else " and Redis")
+        + " ...")
 
 
 def _client_env(settings: Settings) -> dict[str, str]:
@@ -128,8 +221,8 @@ def _banner(settings: Settings, flower_url: str, flower_auth: str, logdir: Path,
     if metrics_url:
         say(f"metrics: {metrics_url}; lease console: {console_url} (the same basic auth)")
     say(f"logs: {logdir}")
-    typer.echo(f"\nIn another shell in {Path.cwd()}, `leasekeeper status` and the producer "
-               f"find this backend through {env_file}.\nElsewhere, paste:\n"
+    typer.echo(f"\nIn another shell in {Path.cwd()}, `{command_name()} status` and the "
+               f"producer find this backend through {env_file}.\nElsewhere, paste:\n"
                + "".join(f"  export {k}={v}\n" for k, v in client_env.items()))
 
 
@@ -192,8 +285,9 @@ def _what_stays_running() -> None:
     say(f"stays running after leasekeeper stops: {counts} lease(s) and "
         f"{len(sandboxes)} sandbox(es) ({', '.join(sandboxes) or 'none'}), kept so their "
         "runs can resume.")
-    say("to end them, start `leasekeeper up` again and run `leasekeeper leases destroy "
-        "--state active --yes` (or `leasekeeper leases destroy <lease id>`)")
+    command = command_name()
+    say(f"to end them, start `{command} up` again and run `{command} leases destroy "
+        f"--state active --yes` (or `{command} leases destroy <lease id>`)")
 
 
 def flower(

@@ -67,7 +67,10 @@ class EventTail:
                  f"{e.reason}", at=_local(e.at))
 
 
-def run_demo(rt: Runtime, count: int, timeout_s: float = 120.0) -> bool:
+def run_demo(rt: Runtime, count: int, runs: list[str] | None = None,
+             timeout_s: float = 120.0) -> bool:
+    """Drive ``count`` runs; each run id is appended to ``runs`` before its acquire is sent
+    (so an interrupted demo knows which leases are its own)."""
     from tasks import producer
 
     tail = EventTail(rt.store)
@@ -78,6 +81,8 @@ def run_demo(rt: Runtime, count: int, timeout_s: float = 120.0) -> bool:
         run_id = f"demo-{i}-{uuid.uuid4().hex[:6]}"
         thread = f"thread-{i}"
         _say(f"run {run_id}: {scenario.name}")
+        if runs is not None:
+            runs.append(run_id)
         lease = producer.acquire_lease(run_id, {"tenant": "demo", "thread_id": thread,
                                                 **scenario.spec}).get(60)
         lease_id = lease["lease_id"]
@@ -92,6 +97,8 @@ def run_demo(rt: Runtime, count: int, timeout_s: float = 120.0) -> bool:
             producer.detach_run(run_id).get(30)
         elif scenario.expected_end == "requested":
             second = f"{run_id}-again"
+            if runs is not None:
+                runs.append(second)
             again = producer.acquire_lease(second, {"tenant": "demo", "thread_id": thread,
                                                     **scenario.spec}).get(60)
             _say(f"  second run {second}: {again['result']} lease {again['lease_id']}")

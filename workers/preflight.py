@@ -3,9 +3,12 @@ naming the setting, the address and the fix, never a traceback or a silent hang.
 
     check_broker(url)   Redis answers a PING within a second or two (not something
                         else, an HTTP server, say)                   -> BrokerUnavailable
+                        and takes the URL's password                 -> ConfigError
     check_store(url)    the driver is installed, the SQLite folder and file exist, the
                         schema is at the latest migration            -> ConfigError
                                                                          StoreUnavailable
+    check_store_writable(url)  it takes writes (not a replica, not a read-only file,
+                        not a user without UPDATE)                   -> ConfigError
 Nothing here creates anything: a store that was never migrated stays absent (no empty
 SQLite file), and the message names `leasekeeper db upgrade`.
 """
@@ -25,6 +28,7 @@ from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
 from providers.errors import (
+    READ_ONLY_SQLITE,
     READ_ONLY_STORE,
     BrokerUnavailable,
     ConfigError,
@@ -46,10 +50,29 @@ def check_broker(url: str, timeout_s: float = 2.0) -> None:
                                   socket_connect_timeout=timeout_s)
     try:
         client.ping()
-    except redis.RedisError as exc:  # refused, silent, a password needed, or not Redis
+    except redis.AuthenticationError as exc:  # a setting to fix, not a service to wait for
+        raise ConfigError(broker_unreachable(url, exc, sending=False)) from None
+    except redis.RedisError as exc:  # refused, silent, or not Redis
         raise BrokerUnavailable(broker_unreachable(url, exc, sending=False)) from None
     finally:
         client.close()
+
+
+def refuse_a_broker_that_refuses_us(process: str) -> None:
+    """At a worker's or beat's start: a broker that refuses the URL's password will never
+    let it in, so exit at once (code 2) naming LEASEKEEPER_BROKER_URL, instead of retrying
+    for ever under "Cannot connect". A broker not answering yet is no reason to refuse
+    (Celery retries until it does)."""
+    from workers.settings import get_settings
+
+    try:
+        check_broker(get_settings().effective_broker_url)
+    except ConfigError as exc:
+        logging.getLogger("leasekeeper.preflight").critical(
+            "leasekeeper %s not started: %s", process, exc)
+        sys.exit(2)
+    except BrokerUnavailable:
+        pass  # Celery says so, and retries
 
 
 def shown(url: str | URL) -> str:
@@ -144,6 +167,38 @@ def check_store(url: str) -> None:
         raise ConfigError(f"the store {shown(url)} is at migration "
                           f"{', '.join(sorted(current))}, this leasekeeper needs "
                           f"{', '.join(sorted(heads))}: {UPGRADE}")
+
+
+def check_store_writable(url: str) -> None:
+    """The store takes writes: an UPDATE that matches no row, rolled back. A replica, a
+    database with default_transaction_read_only=on, a read-only SQLite file or a user
+    without UPDATE refuse it (ConfigError, naming the fix); reads alone cannot tell."""
+    from sqlalchemy import text
+
+    engine = create_engine(url, poolclass=NullPool, connect_args=_connect_args(url))
+    try:
+        with engine.connect() as conn:
+            try:
+                conn.execute(text("UPDATE leases SET state = state WHERE 1 = 0"))
+            finally:
+                conn.rollback()
+    except SQLAlchemyError as exc:
+        orig = getattr(exc, "orig", None) or exc
+        said = " ".join(str(orig).split()).removeprefix("ERROR: ")[:200]
+        sqlstate = getattr(orig, "sqlstate", None)
+        if sqlstate in _NOT_ALLOWED:
+            who = make_url(url).username or "the URL's user"
+            raise ConfigError(f"the store {shown(url)} is not writable ({said}): "
+                              f"{_NOT_ALLOWED[sqlstate](who)} (LEASEKEEPER_STORE_URL)"
+                              ) from None
+        if str(getattr(orig, "sqlite_errorname", "")).startswith("SQLITE_READONLY"):
+            from models.migrate import sqlite_file
+
+            raise ConfigError(f"the store {shown(url)} is not writable ({said}): "
+                              + READ_ONLY_SQLITE.format(path=sqlite_file(url))) from None
+        raise store_error(url, exc, "cannot write to") from None
+    finally:
+        engine.dispose()
 
 
 def refuse_a_store_not_at_head(process: str) -> None:

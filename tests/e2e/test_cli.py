@@ -149,3 +149,32 @@ def test_health_and_status_count_only_this_installations_workers(stack: WorkerSt
     # the stack's own installation still sees its worker
     done = leasekeeper("health", "--worker", env=stack.env)
     assert (done.returncode, done.stderr) == (0, "")
+
+
+def test_a_filtered_destroy_past_its_limit_says_more_match(stack: WorkerStack) -> None:
+    # Before: it destroyed --limit leases, said nothing of the others, and exited 0.
+    from tasks import producer
+
+    tenant = f"lim-{uuid.uuid4().hex[:8]}"
+    leases = [producer.acquire_lease(f"{tenant}-run-{i}", {"tenant": tenant, "provider": "noop"}
+                                     ).get(120)["lease_id"] for i in range(3)]
+    preview = leasekeeper("leases", "destroy", "--state", "active", "--tenant", tenant,
+                          "--limit", "2", env=stack.env)
+    assert preview.returncode == 0, preview.stderr
+    assert "would destroy 2 lease(s) (the newest 2 of 3 that match: --limit 2)" \
+        in preview.stderr
+    first = leasekeeper("leases", "destroy", "--state", "active", "--tenant", tenant,
+                        "--limit", "2", "--yes", "--json", env=stack.env)
+    assert first.returncode == 1, first.stdout + first.stderr
+    answer = json.loads(first.stdout)
+    assert [(d["lease_id"], d["result"]) for d in answer["destroyed"]] == [
+        (leases[2], "destroyed"), (leases[1], "destroyed")]
+    assert answer["more_matching"] == 1
+    assert "3 lease(s) match and --limit 2 took the newest 2: 1 more were not destroyed; " \
+        "run the same command again for the next ones" in first.stderr
+    # Going on as it says ends the rest, and then it has nothing more to say.
+    rest = leasekeeper("leases", "destroy", "--state", "active", "--tenant", tenant,
+                       "--limit", "2", "--yes", "--json", env=stack.env)
+    assert rest.returncode == 0, rest.stdout + rest.stderr
+    assert [d["lease_id"] for d in json.loads(rest.stdout)["destroyed"]] == [leases[0]]
+    assert json.loads(rest.stdout)["more_matching"] == 0 and "more" not in rest.stderr

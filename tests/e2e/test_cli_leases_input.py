@@ -195,3 +195,37 @@ def test_an_ambiguous_prefix_is_bad_input_naming_the_candidates(
     done = leasekeeper("leases", "show", "0badcafe", env=env)
     one_line(done, 2, "several leases' ids start with '0badcafe'", first, second,
              "give more of the id")
+
+
+UNDECODABLE = "\udcff\udcfeabcdefgh"  # the bytes ff fe then text, as argv decodes them
+
+
+@pytest.mark.parametrize("args", [
+    ["leases", "show", "bad id!"], ["leases", "show", UNDECODABLE], ["leases", "show", ""],
+    ["leases", "destroy", "bad id!"], ["leases", "destroy", UNDECODABLE],
+    ["leases", "retry", "x" * 129], ["leases", "forget", UNDECODABLE],
+    ["runs", "show", "bad id!"], ["runs", "show", UNDECODABLE],
+], ids=lambda args: " ".join(a.encode("ascii", "backslashreplace").decode()[:20]
+                             for a in args))
+def test_a_malformed_id_is_bad_input_saying_why(store: Store, env: dict[str, str],
+                                                args: list[str]) -> None:
+    # Before: "no lease 'bad id!' in the store" (exit 4), and for undecodable bytes
+    # "unexpected UnicodeEncodeError ... This is a leasekeeper bug" (exit 1).
+    add(store, LeaseState.ACTIVE)
+    kind = "run id" if args[0] == "runs" else "lease id"
+    line = one_line(leasekeeper(*args, env=env), 2, f"{kind} must be 1-128 characters",
+                    "got ")
+    assert "bug" not in line and "no lease" not in line
+
+
+@pytest.mark.parametrize("args", [
+    ["leases", "list", "--tenant", UNDECODABLE],
+    ["leases", "destroy", "--state", "active", "--provider", UNDECODABLE],
+    ["runs", "list", "--thread", UNDECODABLE],
+], ids=lambda args: " ".join(a.encode("ascii", "backslashreplace").decode()[:20]
+                             for a in args))
+def test_an_undecodable_filter_is_bad_input(store: Store, env: dict[str, str],
+                                            args: list[str]) -> None:
+    # Before: "unexpected UnicodeEncodeError ... This is a leasekeeper bug", exit 1.
+    add(store, LeaseState.ACTIVE)
+    refused(leasekeeper(*args, env=env), args[-2], "not valid text")

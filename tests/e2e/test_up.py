@@ -28,10 +28,11 @@ from tests.stack import REPO
 class Up:
     """A `leasekeeper up` child process whose output is read as it comes."""
 
-    def __init__(self, cwd: Path, env: dict[str, str], *args: str) -> None:
+    def __init__(self, cwd: Path, env: dict[str, str], *args: str,
+                 command: tuple[str, ...] = (sys.executable, "-m", "workers.cli")) -> None:
         self.out = cwd / f"up-{time.monotonic_ns()}.out"
         with open(self.out, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "workers.cli", "up", *args],
+            self.proc = subprocess.Popen([*command, "up", *args],
                                          cwd=cwd, env=env, stdout=out,
                                          stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -64,8 +65,9 @@ class Up:
 
 
 @contextlib.contextmanager
-def up(cwd: Path, env: dict[str, str], *args: str) -> Iterator[Up]:
-    process = Up(cwd, env, *args)
+def up(cwd: Path, env: dict[str, str], *args: str,
+       command: tuple[str, ...] = (sys.executable, "-m", "workers.cli")) -> Iterator[Up]:
+    process = Up(cwd, env, *args, command=command)
     try:
         yield process
     finally:
@@ -149,7 +151,7 @@ def test_a_new_users_hour_from_one_directory(tmp_path: Path) -> None:
         said = first.interrupt()
     assert first.proc.returncode == 0, said
     assert "stays running after leasekeeper stops: 1 active lease(s) and 1 sandbox(es)" in said
-    assert f"lk-{kept}" in said and "leasekeeper leases destroy --state active --yes" in said
+    assert f"lk-{kept}" in said and " leases destroy --state active --yes" in said
     assert not (tmp_path / ".var" / "env").exists()
 
     # Before: "BAD 1 sandbox(es) still running: lk-01a23a91…" and exit 1.
@@ -277,3 +279,114 @@ def test_a_child_that_exits_after_start_stops_up_with_its_log(tmp_path: Path) ->
     assert "Traceback" not in out
     assert not (tmp_path / ".var" / "env").exists()
     assert_closed(broker_port(out))
+
+
+@pytest.mark.timeout(600)
+def test_a_second_up_in_the_same_folder_is_refused_naming_the_first(tmp_path: Path) -> None:
+    # Before: the second up started a second backend on the first one's store and
+    # overwrote .var/env and the Flower credentials, so the first could not be found.
+    env = user_env(LEASEKEEPER_FLOWER_PORT="0")
+    with up(tmp_path, env) as first:
+        first.wait_for("press Ctrl-C to stop")
+        env_before = (tmp_path / ".var" / "env").read_text()
+        credentials = (tmp_path / ".var" / "flower-credentials").read_text()
+        with up(tmp_path, env) as second:  # stopped by SIGTERM if it does start
+            eventually(lambda: second.proc.poll() is not None, 60, "the second up to exit")
+            said = second.text
+        assert second.proc.returncode == 2, said
+        assert f"another `leasekeeper up` (pid {first.proc.pid}) is already running" in said
+        assert "Traceback" not in said
+        assert "starting" not in said  # refused before it started anything
+        assert (tmp_path / ".var" / "env").read_text() == env_before
+        assert (tmp_path / ".var" / "flower-credentials").read_text() == credentials
+        status = leasekeeper("status", "--json", env=env, cwd=tmp_path)
+        assert status.returncode in (0, 1), status.stderr  # the first still answers
+        assert first.proc.poll() is None
+        said = first.interrupt()
+    assert first.proc.returncode == 0, said
+    # Once the first has stopped, the folder is free again.
+    assert not (tmp_path / ".var" / "env").exists()
+
+
+def _children(pid: int) -> list[int]:
+    import psutil
+
+    return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+
+
+def _kill_leftovers(pids: list[int]) -> list[int]:
+    """Kill (by pid) whatever of up's own children outlived it; return which did."""
+    import psutil
+
+    left = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+                os.kill(pid, signal.SIGKILL)
+    return left
+
+
+@pytest.mark.timeout(600)
+def test_closing_the_terminal_stops_every_child(tmp_path: Path) -> None:
+    # Before: SIGHUP killed up itself and left Redis, worker, beat, Flower, the exporter
+    # and the console running, each in its own session.
+    env = user_env(LEASEKEEPER_FLOWER_PORT="0")
+    with up(tmp_path, env) as process:
+        text = process.wait_for("press Ctrl-C to stop")
+        children = _children(process.proc.pid)
+        assert len(children) >= 6, children
+        try:
+            os.kill(process.proc.pid, signal.SIGHUP)
+            process.proc.wait(120)
+        finally:
+            left = _kill_leftovers(children)
+        said = process.text
+    assert left == [], f"still running after SIGHUP: {left}\n{said}"
+    assert process.proc.returncode == 0, said
+    assert "stopping worker, beat, Flower and Redis" in said
+    assert not (tmp_path / ".var" / "env").exists()
+    assert_closed(broker_port(text))
+
+
+@pytest.mark.timeout(600)
+def test_ctrl_c_during_the_demo_leaves_no_demo_sandbox_unsaid(tmp_path: Path) -> None:
+    # Before: "interrupted while starting; everything it started is stopped" while the
+    # demo's sandboxes kept running.
+    env = user_env(LEASEKEEPER_FLOWER_PORT="0")
+    with up(tmp_path, env, "--demo", "5") as process:
+        process.wait_for("→ active")  # the demo's first sandbox runs
+        said = process.interrupt()
+    assert "everything it started is stopped" not in said, said
+    assert "interrupted during the demo: destroying the leases it made" in said, said
+    sandboxes = tmp_path / ".var" / "sandboxes"
+    left = sorted(p.name for p in sandboxes.iterdir()) if sandboxes.exists() else []
+    if left:  # an acquire still under way may finish after the destroys: then it is said
+        assert "stays running after leasekeeper stops" in said, said
+        assert all(name in said for name in left), (left, said)
+    else:
+        assert "no lease is live and no sandbox is running" in said, said
+
+
+@pytest.mark.timeout(600)
+def test_up_names_the_command_as_it_can_be_typed_here(tmp_path: Path) -> None:
+    # Before: "`leasekeeper status`", which is not on PATH after `make run`.
+    import shutil
+
+    entry = Path(sys.executable).parent / "leasekeeper"
+    if not entry.is_file():
+        pytest.skip(f"no `leasekeeper` entry point beside {sys.executable}")
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    shutil.copy2(entry, tmp_path / ".venv" / "bin" / "leasekeeper")  # as `make run` makes it
+    env = user_env(LEASEKEEPER_FLOWER_PORT="0",
+                   PATH=os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep)
+                                        if not (Path(p) / "leasekeeper").exists()))
+    with up(tmp_path, env, command=(".venv/bin/leasekeeper",)) as process:
+        text = process.wait_for("press Ctrl-C to stop")
+        assert f"In another shell in {tmp_path}, `.venv/bin/leasekeeper status`" in text
+        status = subprocess.run([".venv/bin/leasekeeper", "status", "--json"], cwd=tmp_path,
+                                env=env, capture_output=True, text=True, timeout=120,
+                                check=False)
+        assert status.returncode in (0, 1), status.stderr  # the command it names works
+        said = process.interrupt()
+    assert process.proc.returncode == 0, said

@@ -202,6 +202,8 @@ class LeaseCollector(Collector):
 
     def _read(self, reading: Future[list[Metric]]) -> None:
         try:
+            if self._events is None:  # the first read that reaches the store
+                self._mark_start()
             gauges = list(self._store_gauges())
             self._tail()
             reading.set_result(gauges)
@@ -286,13 +288,23 @@ class LeaseCollector(Collector):
         yield failures
 
     # -- the logs, tailed ------------------------------------------------------------
+    def start_counting(self) -> None:
+        """Mark where the logs stand now, before the exporter serves, so its counters count
+        from its start and not from its first scrape: a first store read, bounded as a
+        scrape's. A store that does not answer in time is marked when it does."""
+        self._read_store()
+
+    def _mark_start(self) -> None:
+        """Every log is counted from here on (all three marked, or none)."""
+        since = utcnow()
+        events, ticks, errors = (self.observe.max_event_id(), self.observe.max_tick_id(),
+                                 self.observe.max_provider_error_id())
+        self._events, self._ticks, self._errors = (
+            IdTail(events + 1), IdTail(ticks + 1), IdTail(errors + 1))
+        self._reclaims = ReclaimTail(since)
+
     def _tail(self) -> None:
-        if self._events is None or self._ticks is None or self._errors is None:
-            # count from the exporter's start
-            self._events = IdTail(self.observe.max_event_id() + 1)
-            self._ticks = IdTail(self.observe.max_tick_id() + 1)
-            self._errors = IdTail(self.observe.max_provider_error_id() + 1)
-            self._reclaims = ReclaimTail(utcnow())
+        assert self._events is not None and self._ticks is not None and self._errors is not None
         limit = self.settings.metrics_events_batch_size
         self._count_events(self._events.poll(self.observe.events_from, limit))
         for tick in self._ticks.poll(self.observe.ticks_from, limit):

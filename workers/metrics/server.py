@@ -69,9 +69,12 @@ def celery_pinger(task_queue: str) -> Pinger:
 
 def build_registry(settings: Settings, store: Store,
                    ping: Pinger | None = None) -> CollectorRegistry:
+    """The exporter's registry; its counters count from now (LeaseCollector.start_counting)."""
     registry = CollectorRegistry()
-    registry.register(LeaseCollector(Observe(store), settings,
-                                     ping or celery_pinger(settings.task_queue)))
+    collector = LeaseCollector(Observe(store), settings,
+                               ping or celery_pinger(settings.task_queue))
+    collector.start_counting()
+    registry.register(collector)
     return registry
 
 

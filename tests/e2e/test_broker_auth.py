@@ -1,0 +1,80 @@
+"""A broker that refuses the password (wrong, or missing where Redis requires one), against
+a real Redis with `requirepass`: the CLI and a starting worker say that authentication
+failed and which setting to fix, never "unreachable, start Redis", and never the password.
+Before: "is unreachable (invalid username-password pair ...). Start Redis there or fix the
+URL", exit 3; the worker retried "Cannot connect" for ever."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.e2e.conftest import cli_env, leasekeeper
+from tests.e2e.test_cli_errors import short_error
+from tests.services import RedisServer, start_redis, stop_process
+from tests.stack import REPO
+
+pytestmark = pytest.mark.timeout(180)
+PASSWORD = "s3cret-broker-pw"
+
+
+@pytest.fixture(scope="module")
+def guarded_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = start_redis(tmp_path_factory.mktemp("guarded-redis"))
+    client = redis.Redis.from_url(server.url)
+    client.config_set("requirepass", PASSWORD)
+    client.close()
+    yield server
+    server.stop()
+
+
+def urls(server: RedisServer) -> dict[str, str]:
+    where = f"127.0.0.1:{server.port}/0"
+    return {"missing": f"redis://{where}", "wrong": f"redis://:wrong-{PASSWORD}@{where}"}
+
+
+@pytest.mark.parametrize("password", ["missing", "wrong"])
+def test_the_cli_says_authentication_failed(guarded_redis: RedisServer, tmp_path: Path,
+                                            password: str) -> None:
+    env = cli_env(LEASEKEEPER_BROKER_URL=urls(guarded_redis)[password],
+                  LEASEKEEPER_VAR_DIR=str(tmp_path))
+    done = leasekeeper("health", "--broker", env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    err = short_error(done, "authentication failed", "LEASEKEEPER_BROKER_URL")
+    assert "unreachable" not in err and "Start Redis" not in err
+    assert PASSWORD not in err
+    assert ("needs a password" in err) == (password == "missing"), err
+    started = leasekeeper("up", env={**env, "LEASEKEEPER_FLOWER_PORT": "0"})
+    assert started.returncode == 2, started.stdout + started.stderr  # a setting to fix
+    err = short_error(started, "authentication failed", "LEASEKEEPER_BROKER_URL")
+    assert PASSWORD not in err
+
+
+def test_a_worker_with_a_refused_password_exits_saying_so(guarded_redis: RedisServer,
+                                                           tmp_path: Path) -> None:
+    env = cli_env(LEASEKEEPER_BROKER_URL=urls(guarded_redis)["wrong"],
+                  LEASEKEEPER_VAR_DIR=str(tmp_path))
+    assert leasekeeper("db", "upgrade", env=env).returncode == 0
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as out:
+        worker = subprocess.Popen([sys.executable, "-m", "celery", "-A", "workers.app",
+                                   "worker", "-c", "1", "-n", f"auth-{time.monotonic_ns()}@t",
+                                   "--without-gossip", "--without-mingle"], cwd=REPO,
+                                  env=env, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        try:
+            code = worker.wait(120)  # it exits by itself; a slow host takes its time
+        except subprocess.TimeoutExpired:
+            code = None
+        text = log.read_text()
+        assert code == 2, f"the worker did not exit 2 ({code}):\n{text[-3000:]}"
+        assert "leasekeeper worker not started" in text and "authentication failed" in text
+        assert "LEASEKEEPER_BROKER_URL" in text and PASSWORD not in text
+    finally:
+        stop_process(worker)
