@@ -23,20 +23,20 @@ from pydantic import (
     model_validator,
 )
 
-# Whole-string patterns: used with fullmatch, and anchored at \Z, not $ ($ also matches
-# before a final newline: "run-1\n" would pass a .match), for any caller that .matches.
-ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}\Z")
-ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+# Whole-string patterns, always used with fullmatch (a .match with $ lets a final newline
+# through: "run-1\n"); the Kubernetes provider's delivery checks with the same ones.
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 # A Kubernetes label key: an optional DNS-subdomain prefix and '/', then a name
 LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?"
-                       r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?\Z")
+                       r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 RESERVED_LABEL_PREFIX = "leasekeeper.dev/"  # the labels that say which lease owns what
 # Variables leasekeeper sets in every sandbox (the providers': local's workspace marker,
 # the lease id, Kubernetes' bootstrap token for a pool's deliveries)
 RESERVED_ENV = frozenset({"LEASEKEEPER_LEASE_ID", "LEASEKEEPER_WORKSPACE",
                           "LEASEKEEPER_BOOTSTRAP_TOKEN"})
-LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?\Z")
-TENANT = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?\Z")
+LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
+TENANT = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?")
 POOL_NAME = TENANT  # a DNS label of at most 40 characters (it becomes a label value)
 REDACTED = "***"
 ECHO_MAX_CHARS = 40  # how much of a refused value an error message may quote
@@ -105,7 +105,7 @@ def _no_blank_ends(value: str) -> str:
 
 
 # A Kubernetes quantity (resource.Quantity's syntax): a decimal number and a suffix
-QUANTITY = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?\d+)?\Z")
+QUANTITY = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?\d+)?")
 _SUFFIX: dict[str, Decimal] = {
     "": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
     **{s: Decimal(10) ** (3 * i) for i, s in enumerate("kMGTPE", start=1)},

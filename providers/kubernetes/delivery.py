@@ -22,7 +22,6 @@ The sandbox's side (README: "Warm pools on Kubernetes"): wait for
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -30,6 +29,7 @@ from types import MappingProxyType
 from providers.base import RUN_DIR_ENV, ClaimRequest
 from providers.errors import InvalidRequest
 from providers.kubernetes.errors import CommandExit
+from providers.spec import ENV_NAME, ID_PATTERN
 
 RUN_JSON = "run.json"
 ENV_FILE = "env"
@@ -89,8 +89,6 @@ DELIVERY_EXITS: Mapping[int, CommandExit] = MappingProxyType({
 DELIVERY_FAILED_HINT = ("the delivery script failed in the pod (is the run directory full? "
                         "its sizeLimit is in manifests.RUN_DIR_SIZE_LIMIT)")
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
-_RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,127}")  # providers.spec.ID_PATTERN
 
 
 @dataclass(frozen=True)
@@ -110,7 +108,7 @@ def sh_quote(value: str) -> str:
 def _env_lines(kind: str, env: Mapping[str, str]) -> str:
     lines = []
     for key, value in env.items():
-        if not _ENV_NAME.fullmatch(key):
+        if not ENV_NAME.fullmatch(key):
             raise InvalidRequest(f"claim: {kind} name {key[:40]!r} is not a valid variable "
                                  "name (letters, digits and '_', not starting with a digit)")
         if "\0" in value:
@@ -134,7 +132,7 @@ def env_file(request: ClaimRequest) -> bytes:
 
 
 def build_delivery(request: ClaimRequest) -> Delivery:
-    if not _RUN_ID.fullmatch(request.run_id):
+    if not ID_PATTERN.fullmatch(request.run_id):
         raise InvalidRequest(f"claim: run id {request.run_id[:40]!r} is not a run id "
                              "(letters, digits, '.', '_', ':' or '-')")
     env = env_file(request)
