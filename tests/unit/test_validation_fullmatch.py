@@ -1,7 +1,8 @@
 """Owns the tests that every name, label, variable-name and id check matches the whole value:
 ``re.match`` with a ``$`` anchor accepts a trailing newline ("abc\\n"), so each check is a
-``fullmatch`` (the spec, the Kubernetes provider's boundary, a claim's delivery, and the
-settings, where an installation id read from a mounted file ends in a newline)."""
+``fullmatch``: the acquire's spec, the producer API and task payloads sent by name, the
+Kubernetes provider's boundary, a claim's delivery, and the settings, where an installation
+id read from a mounted file ends in a newline."""
 
 from __future__ import annotations
 
@@ -24,20 +25,58 @@ DEFAULTS = WorkloadDefaults(namespace="ns", image="busybox", cpu_request="100m",
                             memory_request="64Mi", cpu_limit="1", memory_limit="256Mi")
 
 
-@pytest.mark.parametrize("field", [
+BAD_SPECS: list[dict[str, Any]] = [
     {"tenant": "acme\n"},
     {"pool": "warm-py\n"},
     {"thread_id": "thread-1\n"},
     {"sandbox_key": "key-1\n"},
-    {"env": {"GREETING\n": "hi"}},
-    {"secret_env": {"API_KEY\n": "x"}},
     {"labels": {"team\n": "core"}},
     {"labels": {"team": "core\n"}},
+    {"labels": {"example.com/team\n": "core"}},
+    {"env": {"GREETING\n": "hi"}},
+    {"secret_env": {"API_KEY\n": "x"}},
     {"resources": {"cpu_limit": "500m\n"}},
-])
-def test_the_spec_refuses_a_trailing_newline(field: dict[str, Any]) -> None:
-    with pytest.raises(ValidationError):
-        SandboxSpec.model_validate(field)
+]
+
+
+@pytest.mark.parametrize("spec", BAD_SPECS, ids=lambda s: next(iter(s)))
+def test_an_acquire_spec_field_ending_in_a_newline_is_refused(spec: dict[str, Any]) -> None:
+    from tasks.acquire import parse_acquire
+
+    with pytest.raises(InvalidRequest, match=r"invalid lease\.acquire payload"):
+        parse_acquire("run-1", spec)
+
+
+def test_the_same_values_without_the_newline_are_accepted() -> None:
+    from tasks.acquire import parse_acquire
+
+    run_id, spec = parse_acquire("run-1", {
+        "tenant": "acme", "thread_id": "thread-1", "sandbox_key": "key-1",
+        "labels": {"example.com/team": "a"}, "env": {"NAME": "x"},
+        "secret_env": {"TOKEN": "x"}, "resources": {"cpu_limit": "1"}})
+    assert (run_id, spec.tenant, spec.labels) == ("run-1", "acme", {"example.com/team": "a"})
+
+
+@pytest.mark.parametrize("call", ["acquire", "finish", "detach", "touch", "destroy"])
+def test_an_id_ending_in_a_newline_is_refused_before_anything_is_sent(call: str) -> None:
+    from tasks import producer
+
+    calls = {"acquire": lambda: producer.acquire_lease("run-1\n", {}),
+             "finish": lambda: producer.finish_run("run-1\n", "completed", 0),
+             "detach": lambda: producer.detach_run("run-1\n"),
+             "touch": lambda: producer.touch_lease("lease-1\n"),
+             "destroy": lambda: producer.destroy_lease("lease-1\n")}
+    with pytest.raises(InvalidRequest, match=r"must be 1-128 characters.*'(run|lease)-1\\n'"):
+        calls[call]()
+
+
+def test_a_task_payload_by_name_with_such_an_id_is_refused() -> None:
+    from tasks.base import check_payload
+    from tasks.runs import finish_run
+
+    with pytest.raises(InvalidRequest, match=r"invalid run\.finish payload: run_id must be"):
+        check_payload("run.finish", finish_run.run, (),
+                      {"run_id": "run-1\n", "status": "completed"}, 65536)
 
 
 def test_an_id_with_a_trailing_newline_is_refused() -> None:
