@@ -1,9 +1,14 @@
-"""`leasekeeper db upgrade`: apply the store's migrations."""
+"""`leasekeeper db`: the store's schema. `upgrade` applies migrations, `current` says where
+the store is against this leasekeeper, `downgrade` undoes migrations (rolling a release
+back: run it with the release that made them, before starting the older one)."""
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
+from workers.cli_common import ExitCode
 from workers.settings import get_settings
 
 db_cli = typer.Typer(no_args_is_help=True, help="The lease store's schema.")
@@ -21,3 +26,46 @@ def db_upgrade(revision: str = "head") -> None:
     url = get_settings().effective_store_url
     migrate(url, revision)
     typer.echo(f"store {shown(url)} is at {revision}")
+
+
+@db_cli.command("current")
+def db_current() -> None:
+    """The store's migration against this leasekeeper's latest. Exit 0 when they match, 1
+    when the store needs `leasekeeper db upgrade` or a newer leasekeeper migrated it."""
+    from workers.db_revisions import SchemaPosition, schema_position
+    from workers.preflight import shown
+
+    url = get_settings().effective_store_url
+    where = schema_position(url)
+    typer.echo(f"store {shown(url)}: {where.describe()}")
+    raise typer.Exit(ExitCode.OK if where.position == SchemaPosition.AT_HEAD
+                     else ExitCode.NEEDS_ATTENTION)
+
+
+@db_cli.command("downgrade")
+def db_downgrade(
+    revision: Annotated[str, typer.Argument(
+        help="The migration to go back to (as `leasekeeper db current` and the migrations "
+             "folder name them), or `base` for an empty store.")],
+    yes: Annotated[bool, typer.Option(
+        "--yes", help="Really undo them: what they added (tables, columns, indexes) is "
+                      "dropped, with its data.")] = False,
+) -> None:
+    """Undo migrations down to REVISION. Stop every worker, beat, exporter and console of
+    this store first; without --yes, only says what would be undone."""
+    from workers.db_revisions import plan_downgrade, run_downgrade
+    from workers.preflight import shown
+
+    url = get_settings().effective_store_url
+    plan = plan_downgrade(url, revision)
+    if not plan.undone:
+        typer.echo(f"store {shown(url)} is already at {plan.target}: nothing to undo")
+        return
+    listing = ", ".join(plan.undone)
+    if not yes:
+        typer.echo(f"would undo on store {shown(url)}: {listing} (dropping what they added, "
+                   "with its data); stop every leasekeeper process on this store, then run "
+                   "again with --yes")
+        raise typer.Exit(ExitCode.NEEDS_ATTENTION)
+    run_downgrade(url, plan.target)
+    typer.echo(f"store {shown(url)} is at {plan.target} (undone: {listing})")

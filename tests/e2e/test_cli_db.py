@@ -1,0 +1,125 @@
+"""`leasekeeper db current` and `leasekeeper db downgrade`, run as real processes on SQLite
+and PostgreSQL stores that hold a lease: where the store stands against this leasekeeper's
+migrations (exit 0 only at the latest), and a release rolled back (migrations undone only
+with --yes, data in what stays kept, up again with `db upgrade`). Wrong revisions, a store
+above the target and one a newer leasekeeper migrated are refused in one line, exit 2."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from models.store import Store
+from tests.e2e.conftest import cli_env, leasekeeper
+from tests.e2e.test_cli_errors import a_lease, short_error
+from workers.preflight import _heads
+
+pytestmark = pytest.mark.timeout(180)
+
+LEASE = "0123456789abcdef"
+
+
+def db(store_url: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return leasekeeper("db", *args, env=cli_env(LEASEKEEPER_STORE_URL=store_url))
+
+
+def revision_of(store_url: str) -> str | None:
+    engine = create_engine(store_url)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT version_num FROM alembic_version")).scalar()
+    finally:
+        engine.dispose()
+
+
+def test_a_release_is_rolled_back_and_forward_keeping_the_leases(store_url: str) -> None:
+    # given a store at this leasekeeper's latest migration, holding a lease
+    (head,) = _heads()
+    a_lease(store_url, LEASE)
+    current = db(store_url, "current")
+    assert current.returncode == 0, current.stderr
+    assert f"at migration {head}, this leasekeeper's latest: up to date" in current.stdout
+
+    # when a downgrade is asked without --yes: it says what it would undo, and does nothing
+    asked = db(store_url, "downgrade", "0009")
+    assert asked.returncode == 1, asked.stderr
+    assert "would undo" in asked.stdout and "0010_perf12" in asked.stdout
+    assert "--yes" in asked.stdout
+    assert revision_of(store_url) == head
+
+    # with --yes it goes down to 0009_runs12 (a leading part of its name is enough)
+    done = db(store_url, "downgrade", "0009", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert "is at 0009_runs12 (undone: 0012_perf12, 0011_perf12, 0010_perf12)" in done.stdout
+    assert revision_of(store_url) == "0009_runs12"
+    behind = db(store_url, "current")
+    assert behind.returncode == 1
+    assert "behind this leasekeeper's latest" in behind.stdout
+    assert "0010_perf12, 0011_perf12, 0012_perf12" in behind.stdout
+    assert "leasekeeper db upgrade" in behind.stdout
+    again = db(store_url, "downgrade", "0009_runs12", "--yes")
+    assert again.returncode == 0 and "nothing to undo" in again.stdout
+
+    # then up again: the lease is still there
+    up = db(store_url, "upgrade")
+    assert up.returncode == 0, up.stderr
+    assert db(store_url, "current").returncode == 0
+    store = Store(store_url)
+    try:
+        assert store.get_lease(LEASE).tenant == "acme"
+    finally:
+        store.dispose()
+
+
+def test_down_to_base_leaves_an_empty_store_that_upgrades_again(store_url: str) -> None:
+    done = db(store_url, "downgrade", "base", "--yes")
+    assert done.returncode == 0, done.stderr
+    assert "is at base" in done.stdout and "0001)" in done.stdout
+    never = db(store_url, "current")
+    assert never.returncode == 1 and "never migrated" in never.stdout
+    short_error(db(store_url, "downgrade", "base", "--yes"), "never migrated")
+    assert db(store_url, "upgrade").returncode == 0
+    assert db(store_url, "current").returncode == 0
+
+
+@pytest.mark.parametrize(("revision", "says"), [
+    ("nope", "'nope' names no single migration: name one of 0001, 0002_perf12"),
+    ("00", "'00' names no single migration"),  # more than one starts so
+])
+def test_a_revision_that_names_no_migration_is_refused(store_url: str, revision: str,
+                                                       says: str) -> None:
+    refused = db(store_url, "downgrade", revision, "--yes")
+    assert refused.returncode == 2
+    short_error(refused, says, "`base`")
+    assert revision_of(store_url) == next(iter(_heads()))
+
+
+def test_a_downgrade_above_the_store_is_refused_naming_upgrade(store_url: str) -> None:
+    assert db(store_url, "downgrade", "0004", "--yes").returncode == 0
+    refused = db(store_url, "downgrade", "0011_perf12", "--yes")
+    assert refused.returncode == 2
+    short_error(refused, "is at migration 0004_errors10, below 0011_perf12",
+                "leasekeeper db upgrade --revision 0011_perf12")
+    assert revision_of(store_url) == "0004_errors10"
+
+
+def test_a_store_a_newer_leasekeeper_migrated_is_named_and_not_touched(store_url: str,
+                                                                      ) -> None:
+    # given a store a newer release migrated (a revision this one does not have)
+    engine = create_engine(store_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text("UPDATE alembic_version SET version_num = '0099_future'"))
+    finally:
+        engine.dispose()
+    current = db(store_url, "current")
+    assert current.returncode == 1
+    (head,) = _heads()
+    assert "0099_future, which this leasekeeper does not have" in current.stdout
+    assert f"leasekeeper db downgrade {head} --yes` with that newer one" in current.stdout
+    refused = db(store_url, "downgrade", "0009", "--yes")
+    assert refused.returncode == 2
+    short_error(refused, "0099_future", "with that newer version")
+    assert revision_of(store_url) == "0099_future"

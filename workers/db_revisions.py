@@ -1,0 +1,134 @@
+"""Where a store's schema stands against this leasekeeper's migrations, and what a
+downgrade would undo: for `leasekeeper db current` and `leasekeeper db downgrade`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from providers.errors import ConfigError
+from workers.preflight import (
+    NewerStore,
+    _current_revisions,
+    _heads,
+    _newer_store,
+    _script,
+    check_driver,
+    shown,
+    store_error,
+    unknown_revisions,
+)
+
+BASE = "base"  # alembic's name for "before the first migration": an empty store
+
+
+class SchemaPosition(StrEnum):
+    AT_HEAD = "at_head"  # what this leasekeeper needs
+    BEHIND = "behind"  # `leasekeeper db upgrade` brings it up
+    NEVER_MIGRATED = "never_migrated"
+    NEWER = "newer"  # a newer leasekeeper migrated it
+
+
+@dataclass(frozen=True)
+class Where:
+    position: SchemaPosition
+    current: tuple[str, ...]
+    heads: tuple[str, ...]
+    pending: tuple[str, ...]  # what `db upgrade` would apply, oldest first
+
+    def describe(self) -> str:
+        at, head = ", ".join(self.current) or "nothing", ", ".join(self.heads)
+        match self.position:
+            case SchemaPosition.AT_HEAD:
+                return f"at migration {at}, this leasekeeper's latest: up to date"
+            case SchemaPosition.NEVER_MIGRATED:
+                return (f"never migrated (this leasekeeper's latest is {head}): run "
+                        "`leasekeeper db upgrade`")
+            case SchemaPosition.BEHIND:
+                return (f"at migration {at}, behind this leasekeeper's latest {head} by "
+                        f"{', '.join(self.pending)}: run `leasekeeper db upgrade`")
+            case SchemaPosition.NEWER:
+                return (f"at migration {at}, which this leasekeeper does not have (its latest "
+                        f"is {head}): a newer leasekeeper migrated it; to go back to this "
+                        "version, run `leasekeeper db downgrade "
+                        f"{head} --yes` with that newer one")
+
+
+def schema_position(url: str) -> Where:
+    check_driver(url)
+    current = tuple(sorted(_current_revisions(url)))
+    heads = tuple(sorted(_heads()))
+    if unknown_revisions(url, set(current)):
+        return Where(SchemaPosition.NEWER, current, heads, ())
+    if current == heads:
+        return Where(SchemaPosition.AT_HEAD, current, heads, ())
+    position = SchemaPosition.BEHIND if current else SchemaPosition.NEVER_MIGRATED
+    return Where(position, current, heads, _above(heads, current))
+
+
+def _above(heads: tuple[str, ...], current: tuple[str, ...]) -> tuple[str, ...]:
+    """The migrations above ``current`` (none: an empty store) up to ``heads``, oldest
+    first: what `db upgrade` applies."""
+    lower = current or (BASE,)
+    found = {r.revision for head in heads for r in _script().iterate_revisions(head, lower)}
+    ordered = [r.revision for r in reversed(list(_script().walk_revisions()))]
+    return tuple(r for r in ordered if r in found and r not in current)
+
+
+@dataclass(frozen=True)
+class Downgrade:
+    target: str  # the revision's full name, or ``base``
+    undone: tuple[str, ...]  # newest first; empty: the store is there already
+
+
+def plan_downgrade(url: str, revision: str) -> Downgrade:
+    """What going down to ``revision`` (a full or unique leading part of a migration's
+    name, or ``base``) undoes. Refused, saying why and what to do: a store a newer leasekeeper
+    migrated, an unknown revision, or one above the store's current one."""
+    from alembic.script.revision import RevisionError
+    from alembic.util.exc import CommandError
+
+    check_driver(url)
+    current = _current_revisions(url)
+    newer = unknown_revisions(url, current)
+    if newer:
+        raise NewerStore(_newer_store(url, newer).replace(
+            "never downgrade a store by hand",
+            "to downgrade it, run `leasekeeper db downgrade` with that newer version, which "
+            "has those migrations"))
+    if not current:
+        raise ConfigError(f"the store {shown(url)} was never migrated: there is nothing to "
+                          "downgrade")
+    script = _script()
+    target = BASE
+    if revision != BASE:
+        try:
+            found = script.get_revision(revision)
+        except (CommandError, RevisionError):
+            found = None
+        if found is None:
+            known = ", ".join(r.revision for r in reversed(list(script.walk_revisions())))
+            raise ConfigError(f"{revision!r} names no single migration: name one of "
+                              f"{known}, or `base` for an empty store")
+        target = found.revision
+    (head,) = sorted(current)
+    if target == head:
+        return Downgrade(target, ())
+    try:
+        undone = [r.revision for r in script.iterate_revisions(head, target)]
+    except (CommandError, RevisionError):
+        raise ConfigError(f"the store {shown(url)} is at migration {head}, below {target}: "
+                          "a downgrade cannot go there; run `leasekeeper db upgrade "
+                          f"--revision {target}` to go up") from None
+    return Downgrade(target, tuple(r for r in undone if r != target))
+
+
+def run_downgrade(url: str, revision: str) -> None:
+    from models.migrate import downgrade
+
+    try:
+        downgrade(url, revision)
+    except SQLAlchemyError as exc:
+        raise store_error(url, exc, "cannot downgrade") from None
