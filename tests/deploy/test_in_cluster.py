@@ -3,9 +3,14 @@ test_manifests.py, the Secret pointing at the session's Redis and a fresh Postgr
 database, and the pods run by the kubelet simulator (tests/cluster/kubelet_sim.py) as real
 processes: the migration Job's `leasekeeper db upgrade`, the worker Deployment's two
 `celery worker`s (as the leasekeeper-worker ServiceAccount, through its in-cluster token and
-`load_incluster_config`; each under its pod's hostname) and beat. A producer outside the
-cluster then acquires a lease and destroys it through those workers, and its Job is created
-and deleted on the API server.
+`load_incluster_config`; each under its pod's hostname), beat, Flower, the metrics exporter
+and the lease console. A producer outside the cluster then acquires a lease and destroys it
+through those workers, and its Job is created and deleted on the API server; meanwhile the
+exporter's /metrics counts the active lease and the console (behind the Secret's basic
+auth) lists it.
+
+Pods run on the host's network here, so the HTTP servers' ports are rewritten to free
+loopback ones (their Services are what a cluster's pods would reach instead).
 
 The one seam: the image. `leasekeeper:0.1.0` maps to this checkout's virtualenv (its `bin`
 first on PATH, the repository on PYTHONPATH), as the Dockerfile's image would provide. The
@@ -15,10 +20,13 @@ environment.
 
 from __future__ import annotations
 
+import base64
 import os
 import secrets
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 import uuid
 from pathlib import Path
 from typing import Any
@@ -40,7 +48,7 @@ from tests.deploy.test_manifests import (
     render,
 )
 from tests.e2e.conftest import eventually
-from tests.services import PostgresServer, RedisServer
+from tests.services import PostgresServer, RedisServer, free_port
 from tests.stack import REPO
 
 IMAGE = "leasekeeper:0.1.0"
@@ -52,6 +60,41 @@ def image_env() -> dict[str, str]:
     venv_bin = Path(sys.executable).parent
     return {"PATH": f"{venv_bin}:{os.environ.get('PATH', '/usr/bin:/bin')}",
             "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", "PYTHONDONTWRITEBYTECODE": "1"}
+
+
+def on_loopback(docs: list[dict[str, Any]]) -> dict[str, int]:
+    """Flower's, the exporter's and the console's ports moved to free loopback ones (every
+    pod shares the host's network here); their ports by component."""
+    ports = {"flower": free_port(), "metrics": free_port(), "console": free_port()}
+    moved = {"FLOWER_PORT": ports["flower"], "LEASEKEEPER_METRICS_PORT": ports["metrics"],
+             "LEASEKEEPER_CONSOLE_PORT": ports["console"]}
+    hosts = {"LEASEKEEPER_METRICS_HOST", "LEASEKEEPER_CONSOLE_HOST"}
+    for component in ports:
+        main = container(one(docs, "Deployment", f"leasekeeper-{component}"))
+        for var in main.get("env", []):
+            if var["name"] in moved:
+                var["value"] = str(moved[var["name"]])
+            elif var["name"] in hosts:
+                var["value"] = "127.0.0.1"
+        main.pop("readinessProbe", None)  # the simulator runs none; the test asks instead
+        main.pop("livenessProbe", None)
+    flower = container(one(docs, "Deployment", "leasekeeper-flower"))
+    flower["env"].append({"name": "FLOWER_ADDRESS", "value": "127.0.0.1"})
+    return ports
+
+
+def http_get(url: str, auth: str | None = None) -> tuple[int, str]:
+    request = urllib.request.Request(url)
+    if auth is not None:
+        request.add_header("Authorization",
+                           "Basic " + base64.b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError:
+        return 0, ""
 
 
 def probe(run: PodRun, command: list[str]) -> subprocess.CompletedProcess[str]:
@@ -88,6 +131,9 @@ def test_the_job_overlay_runs_in_cluster_and_serves_a_lease(
     store_url = postgres_server.create_database(f"lk_{uuid.uuid4().hex[:12]}")
     docs = for_test_cluster(render("job"), namespace, _has_policy_v1(kube_api),
                             broker_url=redis_server.url, store_url=store_url)
+    ports = on_loopback(docs)
+    auth = f"ops:{secrets.token_urlsafe(16)}"
+    one(docs, "Secret", "leasekeeper-secrets")["stringData"]["FLOWER_BASIC_AUTH"] = auth
     core, batch = client.CoreV1Api(kube_api), client.BatchV1Api(kube_api)
     store = Store(store_url)
     kubelet_sim.images[IMAGE] = image_env()
@@ -145,6 +191,39 @@ def test_the_job_overlay_runs_in_cluster_and_serves_a_lease(
         assert job.metadata.labels["leasekeeper.dev/lease-id"] == lease_id
         assert store.get_lease(lease_id).state == LeaseState.ACTIVE
         assert any(sent.id in run.log_path.read_text() for run in worker_runs)
+
+        # the exporter counts it and sees both workers; the console lists it behind auth,
+        # and Flower serves behind the same auth
+        metrics_url = f"http://127.0.0.1:{ports['metrics']}/metrics"
+        last: list[tuple[int, str]] = []
+
+        def scraped() -> str | None:
+            last[:] = [http_get(metrics_url)]
+            status, body = last[0]
+            active = 'leasekeeper_leases{provider="kubernetes",state="active",tenant="acme"} 1.0'
+            return body if status == 200 and active in body else None
+
+        try:
+            body = eventually(scraped, 120, "the exporter's /metrics to count the active lease")
+        except AssertionError:
+            (exporter,) = pods("metrics")
+            run = kubelet_sim.run_for(namespace, exporter.metadata.name)
+            log = run.log_path.read_text()[-3000:] if run else "(no process)"
+            raise AssertionError(f"last answer {str(last)[:3000]}; the exporter's log: {log}"
+                                 ) from None
+        assert "leasekeeper_store_up 1.0" in body and "leasekeeper_broker_up 1.0" in body
+        assert eventually(lambda: "leasekeeper_workers_up 2.0" in http_get(metrics_url)[1],
+                          60, "the exporter to see both worker pods")
+        console_url = f"http://127.0.0.1:{ports['console']}/leases"
+        eventually(lambda: http_get(console_url)[0] == 401, 120,
+                   "the console to answer, refusing a request without auth")
+        status, page = http_get(console_url, auth)
+        assert status == 200 and lease_id in page, page[-2000:]
+        assert http_get(console_url, "ops:wrong")[0] == 401
+        flower_url = f"http://127.0.0.1:{ports['flower']}/api/workers"
+        eventually(lambda: http_get(flower_url)[0] == 401, 120,
+                   "Flower to answer, refusing a request without auth")
+        assert http_get(flower_url, auth)[0] == 200
 
         # and destroys it: the Job is deleted on the API server
         destroyed = producer.destroy_lease(lease_id).get(120)

@@ -26,6 +26,7 @@ from kubernetes import client
 from tests.cluster.cluster import ClusterAccess
 from tests.cluster.fixtures import delete_namespace
 from tests.e2e.conftest import eventually
+from tests.observe.prometheus import binary
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 OVERLAYS = ["sandbox-cr", "job"]
@@ -60,14 +61,17 @@ def test_the_overlay_renders_the_whole_deployment(overlay: str) -> None:
         ("ConfigMap", "leasekeeper-settings"), ("Secret", "leasekeeper-secrets"),
         ("Job", "leasekeeper-migrate"), ("Deployment", "leasekeeper-worker"),
         ("PodDisruptionBudget", "leasekeeper-worker"), ("Deployment", "leasekeeper-beat"),
-        ("Deployment", "leasekeeper-flower"), ("Service", "leasekeeper-flower")])
+        ("Deployment", "leasekeeper-flower"), ("Service", "leasekeeper-flower"),
+        ("Deployment", "leasekeeper-metrics"), ("Service", "leasekeeper-metrics"),
+        ("Deployment", "leasekeeper-console"), ("Service", "leasekeeper-console")])
     assert {d["metadata"].get("namespace", "leasekeeper") for d in docs} == {"leasekeeper"}
     settings = one(docs, "ConfigMap", "leasekeeper-settings")["data"]
     assert settings["LEASEKEEPER_KUBE_BACKEND"] == overlay
     assert settings["LEASEKEEPER_PROVIDERS"] == "kubernetes"
     assert settings["LEASEKEEPER_KUBE_NAMESPACE"] == "leasekeeper"
     for kind, name in [("Deployment", "leasekeeper-worker"), ("Deployment", "leasekeeper-beat"),
-                       ("Deployment", "leasekeeper-flower"), ("Job", "leasekeeper-migrate")]:
+                       ("Deployment", "leasekeeper-flower"), ("Deployment", "leasekeeper-metrics"),
+                       ("Deployment", "leasekeeper-console"), ("Job", "leasekeeper-migrate")]:
         pod = one(docs, kind, name)["spec"]["template"]["spec"]
         (main,) = pod["containers"]
         assert main["image"] == "leasekeeper:0.1.0"
@@ -110,6 +114,48 @@ def test_one_beat_replaced_with_recreate_and_flower_needs_its_secret() -> None:
                              env={"PATH": "/usr/bin:/bin", "FLOWER_BASIC_AUTH": ""},
                              check=False)
     assert refused.returncode == 2 and "FLOWER_BASIC_AUTH" in refused.stderr
+
+
+def test_prometheus_scrapes_the_exporters_service_as_the_alerts_expect() -> None:
+    docs = render("job")
+    metrics = one(docs, "Deployment", "leasekeeper-metrics")
+    assert metrics["spec"]["replicas"] == 1  # its counters are its own since its start
+    main = container(metrics)
+    assert main["command"] == ["leasekeeper", "metrics"]
+    env = {e["name"]: e["value"] for e in main["env"]}
+    assert env["LEASEKEEPER_METRICS_HOST"] == "0.0.0.0"
+    assert main["readinessProbe"]["httpGet"]["path"] == "/metrics"
+    service = one(docs, "Service", "leasekeeper-metrics")
+    (port,) = service["spec"]["ports"]
+    assert service["spec"]["selector"].items() <= (
+        metrics["spec"]["template"]["metadata"]["labels"].items())
+    assert int(env["LEASEKEEPER_METRICS_PORT"]) == port["port"] == main["ports"][0][
+        "containerPort"]
+
+    # deploy/prometheus/scrape.yml: valid for Prometheus, loads the alert rules, and its
+    # job "leasekeeper" (what every alert selects) targets that Service in the namespace
+    scrape = DEPLOY / "prometheus" / "scrape.yml"
+    done = subprocess.run([binary("promtool"), "check", "config", scrape.name],
+                          cwd=scrape.parent, capture_output=True, text=True, check=False,
+                          timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS: 1 rule files found" in done.stdout
+    config = yaml.safe_load(scrape.read_text())
+    (job,) = config["scrape_configs"]
+    assert job["job_name"] == "leasekeeper"
+    assert 'job="leasekeeper"' in (DEPLOY / "prometheus" / "alerts.yml").read_text()
+    assert job["static_configs"] == [{"targets": [
+        f"leasekeeper-metrics.leasekeeper.svc:{port['port']}"]}]
+
+
+def test_the_console_takes_flowers_basic_auth_from_the_secret() -> None:
+    docs = render("sandbox-cr")
+    console = container(one(docs, "Deployment", "leasekeeper-console"))
+    assert console["command"] == ["leasekeeper", "console"]
+    (auth,) = [e for e in console["env"] if e["name"] == "LEASEKEEPER_FLOWER_BASIC_AUTH"]
+    assert auth["valueFrom"] == {"secretKeyRef": {"name": "leasekeeper-secrets",
+                                                  "key": "FLOWER_BASIC_AUTH"}}
+    assert "FLOWER_BASIC_AUTH" in one(docs, "Secret", "leasekeeper-secrets")["stringData"]
 
 
 # -- on the real API server --------------------------------------------------------------
