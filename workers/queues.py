@@ -58,9 +58,20 @@ def serving(reply: Mapping[str, Any] | None, base: str) -> list[str]:
     """The workers in a reply to Celery's ``active_queues`` broadcast (``{hostname: [{"name":
     queue, ...}, ...]}``) that consume a queue of the installation whose base queue is
     ``base``: what answers a ping on a shared Redis may serve another installation."""
-    ours = {queue_name(base, lane) for lane in Lane}
-    return [host for host, queues in (reply or {}).items()
-            if any(isinstance(q, Mapping) and q.get("name") in ours for q in queues or [])]
+    return list(lanes_served(reply, base))
+
+
+def lanes_served(reply: Mapping[str, Any] | None, base: str) -> dict[str, set[Lane]]:
+    """Each worker in an ``active_queues`` reply that consumes a queue of the installation
+    whose base queue is ``base``, with the lanes it consumes (``-Q`` may give it a few)."""
+    by_queue = {queue_name(base, lane): lane for lane in Lane}
+    found: dict[str, set[Lane]] = {}
+    for host, queues in (reply or {}).items():
+        lanes = {by_queue[q["name"]] for q in queues or []
+                 if isinstance(q, Mapping) and q.get("name") in by_queue}
+        if lanes:
+            found[host] = lanes
+    return found
 
 
 def task_queues(base: str) -> list[Queue]:

@@ -14,7 +14,7 @@ from tests.observe.prometheus import ALERTS, binary
 TESTS = sorted((ALERTS.parent / "tests").glob("*.yml"))
 REQUIRED = {"LeaseAbandoned", "CleanupBacklogGrowing", "SweepStalled", "OrphansFound",
             "AcquireFailureRateHigh", "AcquireLatencyHigh", "NoWorker", "PoolBreakerOpen",
-            "MetricsStoreUnreadable", "BrokerDown", "MetricsExporterDown"}
+            "MetricsStoreUnreadable", "BrokerDown", "MetricsExporterDown", "LaneUnserved"}
 
 
 def rules() -> dict[str, dict[str, Any]]:

@@ -26,12 +26,13 @@ import yaml
 from tasks import producer
 from tests.e2e.conftest import eventually
 from tests.observe.conftest import leasekeeper_process
-from tests.observe.exporter import running_exporter
+from tests.observe.exporter import Exporter, Samples, running_exporter
 from tests.observe.prometheus import ALERTS, binary
 from tests.services import RedisServer, free_port
 from tests.stack import WorkerStack
 from workers.app import app
 from workers.beat import SWEEPS
+from workers.queues import Lane, queue_name
 
 pytestmark = pytest.mark.timeout(300)
 # Labels Prometheus adds to every scraped series (`le` is a histogram bucket's).
@@ -185,3 +186,53 @@ def test_only_this_installations_workers_count_as_up(
                           LEASEKEEPER_METRICS_WORKER_PING_TIMEOUT_S="2") as exp:
         assert eventually(lambda: (exp.scrape().value("leasekeeper_workers_up") or 0) >= 1,
                           60, "the stack's worker to be counted by its own exporter")
+
+
+def answered(exp: Exporter) -> Samples | None:
+    """A scrape in which a worker answered the exporter's ping."""
+    seen = exp.scrape()
+    return seen if seen.value("leasekeeper_workers_up") else None
+
+
+def test_a_lane_no_worker_consumes_is_counted_and_alerted(
+        own_stack: WorkerStack, redis_server: RedisServer, tmp_path: Path) -> None:
+    """A worker answers, but it was started with `-Q <queue>.cleanup` only: the exporter
+    counts it up and counts no worker on the other lanes, so LaneUnserved fires (for the
+    acquire lane among them) and NoWorker does not; the module's worker, on every lane of
+    its installation, leaves every lane served."""
+    queue = f"lanes-{uuid.uuid4().hex[:8]}"
+    stack = WorkerStack(name=queue, store_url=own_stack.store_url, root=tmp_path,
+                        broker_url=redis_server.url,
+                        extra_env={"LEASEKEEPER_TASK_QUEUE": queue})
+    try:
+        stack.start_worker(concurrency=1, queues=[queue_name(queue, Lane.CLEANUP)])
+        with running_exporter(tmp_path / "split.log", LEASEKEEPER_TASK_QUEUE=queue,
+                              LEASEKEEPER_STORE_URL=own_stack.store_url,
+                              LEASEKEEPER_BROKER_URL=redis_server.url,
+                              LEASEKEEPER_METRICS_WORKER_PING_TIMEOUT_S="2") as exp:
+            seen = eventually(lambda: answered(exp), 60, "the cleanup worker's answer")
+    finally:
+        stack.stop()
+    assert {lane: seen.value("leasekeeper_lane_workers", lane=lane.value) for lane in Lane} == {
+        Lane.CLEANUP: 1, Lane.SWEEPS: 0, Lane.DEFAULT: 0, Lane.ACQUIRE: 0, Lane.POOL: 0}
+    series = {k: v for k, v in seen.found.items()
+              if k[0].startswith("leasekeeper_") and not k[0].endswith("_created")}
+    # promtool, told to expect none, lists the alerts that fired: one per unserved lane but
+    # the pool lane (no warm pool is declared)
+    said = replay(series, [{"eval_time": "6m", "alertname": "LaneUnserved", "exp_alerts": []}],
+                  tmp_path)
+    assert "FAILED:" in said.stdout + said.stderr, said.stdout + said.stderr
+    assert set(re.findall(r'lane="(\w+)"', said.stdout + said.stderr)) == {
+        "acquire", "default", "sweeps"}
+    assert not fired(series, "NoWorker", tmp_path, at="6m")
+
+    with running_exporter(tmp_path / "whole.log",
+                          LEASEKEEPER_TASK_QUEUE=own_stack.env["LEASEKEEPER_TASK_QUEUE"],
+                          LEASEKEEPER_STORE_URL=own_stack.store_url,
+                          LEASEKEEPER_BROKER_URL=redis_server.url,
+                          LEASEKEEPER_METRICS_WORKER_PING_TIMEOUT_S="2") as exp:
+        whole = eventually(lambda: answered(exp), 60, "the module's worker's answer")
+    assert all(whole.value("leasekeeper_lane_workers", lane=lane.value) for lane in Lane)
+    series = {k: v for k, v in whole.found.items()
+              if k[0].startswith("leasekeeper_") and not k[0].endswith("_created")}
+    assert not fired(series, "LaneUnserved", tmp_path, at="6m")

@@ -47,11 +47,13 @@ def busy(runtime_with: Callable[..., Runtime]) -> Runtime:
 
 def test_the_exporter_counts_members_claims_and_breakers(busy: Runtime) -> None:
     from tasks.acquire import acquire_lease
-    from workers.metrics.collector import LeaseCollector
+    from workers.metrics.collector import LeaseCollector, Ping
+    from workers.queues import Lane
 
     rt = busy
     registry = CollectorRegistry()
-    registry.register(LeaseCollector(Observe(rt.store), rt.settings, lambda _t: 1))
+    registry.register(LeaseCollector(Observe(rt.store), rt.settings,
+                                      lambda _t: Ping(1, dict.fromkeys(Lane, 1))))
     before = scrape(registry)  # the exporter counts from its first scrape
     assert sample(before, "leasekeeper_pool_members", pool="py", state="warm") == 2
     assert sample(before, "leasekeeper_pool_members", pool="py", state="provisioning") == 0

@@ -20,8 +20,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
+from dataclasses import dataclass
 from datetime import datetime
 
 from prometheus_client import Counter, Histogram
@@ -34,6 +35,7 @@ from models.schema import LeaseState, ProviderErrorClass, ReclaimOutcome, SweepT
 from providers.errors import LeasekeeperError
 from workers.beat import SWEEPS
 from workers.metrics.tail import IdTail, ReclaimTail
+from workers.queues import Lane
 from workers.settings import Settings
 
 log = logging.getLogger("leasekeeper.metrics")
@@ -61,9 +63,24 @@ REASON_CLASSES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("no_pod", ("no backing pod",)),
 )
 
-# timeout -> number of workers that answered within it; None: the broker was not reached.
+
+
+@dataclass(frozen=True)
+class Ping:
+    """The workers of this installation that answered a ping, and how many consume each
+    lane (a worker started with ``-Q`` consumes only some)."""
+    workers: int
+    lanes: Mapping[Lane, int]
+
+    @classmethod
+    def of(cls, served: Mapping[str, set[Lane]]) -> Ping:
+        return cls(len(served), {lane: sum(lane in lanes for lanes in served.values())
+                                 for lane in Lane})
+
+
+# timeout -> the workers that answered within it; None: the broker was not reached.
 # It returns within about the timeout, whatever the broker does (server.py).
-Pinger = Callable[[float], int | None]
+Pinger = Callable[[float], Ping | None]
 # How long a scrape waits for the store's reads (milliseconds, on a million leases: see
 # README). A server that stops answering holds a read for good (no statement or TCP timeout
 # ends it), so past this the scrape answers leasekeeper_store_up 0; the read goes on in its
@@ -173,7 +190,14 @@ class LeaseCollector(Collector):
         yield GaugeMetricFamily("leasekeeper_workers_up",
                                 "Workers consuming this installation's queues "
                                 "(LEASEKEEPER_TASK_QUEUE) that answered at this scrape.",
-                                value=seen or 0)
+                                value=seen.workers if seen else 0)
+        lanes = GaugeMetricFamily("leasekeeper_lane_workers",
+                                  "Workers that answered at this scrape consuming each lane "
+                                  "(queue) of this installation; 0: its tasks wait.",
+                                  labels=["lane"])
+        for lane in Lane:
+            lanes.add_metric([lane.value], seen.lanes.get(lane, 0) if seen else 0)
+        yield lanes
         intervals = GaugeMetricFamily("leasekeeper_sweep_interval_seconds",
                                       "Each sweep's beat interval.", labels=["sweep"])
         for sweep, field_name in SWEEPS.items():

@@ -18,9 +18,9 @@ from redis import RedisError
 
 from models.observe import Observe
 from models.store import Store
-from workers.metrics.collector import LeaseCollector, Pinger
+from workers.metrics.collector import LeaseCollector, Ping, Pinger
 from workers.preflight import cannot_listen
-from workers.queues import serving
+from workers.queues import Lane, lanes_served
 from workers.runtime import open_store
 from workers.settings import Settings
 
@@ -36,16 +36,17 @@ def celery_pinger(task_queue: str) -> Pinger:
     The ping is Celery's ``active_queues`` broadcast: every worker on the broker answers
     it, and only those consuming a queue of this installation (LEASEKEEPER_TASK_QUEUE) are
     counted, so another installation's workers on a shared Redis do not keep NoWorker
-    quiet."""
+    quiet; each lane counts the workers consuming its queue (LaneUnserved)."""
     from workers.app import app
 
-    def ping(timeout_s: float) -> int | None:
+    def ping(timeout_s: float) -> Ping | None:
         reached = threading.Event()
-        replies: list[Any] = []
+        served: dict[str, set[Lane]] = {}
+        lock = threading.Lock()  # replies still arriving once the scrape stops waiting
 
         def count(reply: Any) -> None:
-            if serving(reply, task_queue):
-                replies.append(reply)
+            with lock:
+                served.update(lanes_served(reply, task_queue))
 
         def run() -> None:
             options = {"socket_timeout": timeout_s, "socket_connect_timeout": timeout_s,
@@ -62,7 +63,8 @@ def celery_pinger(task_queue: str) -> Pinger:
         pinging = threading.Thread(target=run, name="metrics-ping", daemon=True)
         pinging.start()
         pinging.join(timeout_s)
-        return len(replies) if reached.is_set() else None
+        with lock:
+            return Ping.of(served) if reached.is_set() else None
 
     return ping
 
