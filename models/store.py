@@ -496,16 +496,19 @@ class Store:
             return list(s.scalars(query))
 
     def unfinished_runs_on_leases(self, lease_ids: Sequence[str]) -> list[tuple[Lease, Run]]:
-        """Leases among ``lease_ids`` whose bound run is still running or interrupted."""
+        """Every run bound to a lease among ``lease_ids`` that is still running or
+        interrupted, with its lease: not only the lease's latest run (``Lease.run_id``), as
+        the runs of a thread that reuse one sandbox are all bound to it (``Run.lease_id``,
+        ix_runs_lease_id). Oldest lease first, and its runs oldest first."""
         found: list[tuple[Lease, Run]] = []
         with self.tx() as s:
             for start in range(0, len(lease_ids), 500):
                 chunk = list(lease_ids[start:start + 500])
                 found.extend((lease, run) for lease, run in s.execute(
-                    select(Lease, Run).join(Run, Run.run_id == Lease.run_id)
-                    .where(Lease.lease_id.in_(chunk), Run.lease_id == Lease.lease_id,
+                    select(Lease, Run).join(Run, Run.lease_id == Lease.lease_id)
+                    .where(Lease.lease_id.in_(chunk),
                            Run.status.in_([RunStatus.RUNNING, RunStatus.INTERRUPTED]))
-                    .order_by(Lease.created_at)
+                    .order_by(Lease.created_at, Run.started_at, Run.run_id)
                 ))
         return found
 

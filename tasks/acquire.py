@@ -19,6 +19,9 @@ Order, each step one guarded transaction:
    with its deterministic sandbox name); the copy that finds it already active for its
    run answers ``already_acquired`` and leaves it alone, whether its own provider call
    succeeded or failed.
+   A run's acquire repeated with another spec (a run id is an idempotency key) is
+   refused with InvalidRequest naming the fields that differ, its lease and run left
+   alone (tasks/same_spec.py: which fields count).
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from tasks.destroy import destroy_lease
 from tasks.leases import handle, later, new_lease_id, sandbox_key
 from tasks.redaction import scrub_text
 from tasks.runs import clean_error
+from tasks.same_spec import require_same_spec
 from workers.app import app
 from workers.pool_settings import resolve_spec
 from workers.runtime import Runtime
@@ -122,6 +126,9 @@ def acquire_lease(
 
     if run.lease_id is not None:  # redelivered, or retried after a transient failure
         lease = store.get_lease(run.lease_id)
+        if lease.state in (LeaseState.ACTIVE, LeaseState.PROVISIONING):
+            # the same run, another spec: refused, its sandbox left alone (same_spec.py)
+            require_same_spec(run_id, lease, spec, key, provider_name)
         if lease.state == LeaseState.ACTIVE:
             return _acquisition(AcquireResult.ALREADY_ACQUIRED, run_id, lease)
         if lease.state == LeaseState.PROVISIONING:
@@ -154,7 +161,9 @@ def acquire_lease(
         live = store.live_lease_for_key(key)
         if live is not None and live.run_id == run_id:
             # Another copy of this very acquire (sent twice at once) holds the key for the
-            # run: its sandbox is the run's. Answer it, or wait for it with a retry.
+            # run: its sandbox is the run's. Answer it, or wait for it with a retry; a
+            # copy with another spec is refused.
+            require_same_spec(run_id, live, spec, key, provider_name)
             if live.state == LeaseState.ACTIVE:
                 return _acquisition(AcquireResult.ALREADY_ACQUIRED, run_id, live)
             raise TransientProviderError(

@@ -1,16 +1,18 @@
 """``sweep.finish_exited``: a run whose sandbox command ended by itself gets finished.
 
 Every enabled provider lists what it manages; a resource whose ``exit_code`` is known
-(a local process's exit sentinel, a finished Kubernetes Job) finishes the still-running
-run bound to its lease: ``completed`` for exit code 0, ``failed`` otherwise, the exit code
-recorded. A resource the provider reports as stopped before its command exited
-(``exit_reason``, e.g. a Job killed by its active deadline: ``DeadlineExceeded``) finishes
-its run as ``failed`` with that reason and no exit code. It goes through run.finish's own
-code path (``tasks.runs.finish``), so the reclaim is enqueued exactly when run.finish
-would enqueue it. Unknown (no ``exit_code`` and no ``exit_reason``) is never taken for
-finished. The guarded finish is the claim: of two overlapping ticks,
-only one changes the run and enqueues its reclaim. A warm pool member whose command exited
-(it has no run) is no use to any run: it goes warm → pending_cleanup and is destroyed.
+(a local process's exit sentinel, a finished Kubernetes Job) finishes every still-running
+run bound to its lease (a thread's runs reusing one sandbox are all bound to it, not only
+its latest): ``completed`` for exit code 0, ``failed`` otherwise, the exit code recorded.
+A resource the provider reports as stopped before its command exited (``exit_reason``,
+e.g. a Job killed by its active deadline: ``DeadlineExceeded``) finishes its runs as
+``failed`` with that reason and no exit code. Each run goes through run.finish's own code
+path (``tasks.runs.finish``), so its reclaim is enqueued exactly when run.finish would
+enqueue it (never for a reused sandbox's runs); each run counts against the batch.
+Unknown (no ``exit_code`` and no ``exit_reason``) is never taken for finished. The guarded
+finish is the claim: of two overlapping ticks, only one changes the run and enqueues its
+reclaim. A warm pool member whose command exited (it has no run) is no use to any run: it
+goes warm → pending_cleanup and is destroyed.
 """
 
 from __future__ import annotations

@@ -39,12 +39,12 @@ pytestmark = pytest.mark.timeout(600)
 CORES = {name: uuid.uuid4().hex for name in (
     "API_TOKEN", "DB_PASSWORD", "RETRY_KEY", "FAILED_KEY", "DESTROY_KEY", "UNKNOWN_KEY",
     "POSITIONAL_KEY", "BADSPEC_KEY", "NOCMD_KEY", "EXTRA_KEY", "SCHEDULED_KEY", "RAW_KEY",
-    "CAMEL_KEY", "DASH_KEY", "TOP_KEY")}
+    "CAMEL_KEY", "DASH_KEY", "TOP_KEY", "OTHER_KEY")}
 SECRETS = {name: f"{name.lower()}-{CORES[name]}" + tail for name, tail in [
     ("API_TOKEN", ""), ("DB_PASSWORD", "'q\"}{\\"), ("RETRY_KEY", ""), ("FAILED_KEY", ""),
     ("DESTROY_KEY", ""), ("UNKNOWN_KEY", ""), ("POSITIONAL_KEY", ""), ("BADSPEC_KEY", ""),
     ("NOCMD_KEY", ""), ("EXTRA_KEY", ""), ("SCHEDULED_KEY", ""), ("RAW_KEY", ""),
-    ("CAMEL_KEY", ""), ("DASH_KEY", "'q\"}{\\"), ("TOP_KEY", ""),
+    ("CAMEL_KEY", ""), ("DASH_KEY", "'q\"}{\\"), ("TOP_KEY", ""), ("OTHER_KEY", ""),
 ]}
 MAX_ERROR_CHARS = 400
 
@@ -105,6 +105,11 @@ def sent(contract: Contract) -> dict[str, Any]:
     assert acquired["result"] == "acquired"
     out["already"] = ok(send("lease.acquire", {"run_id": run_id, "spec": secret_spec(
         "API_TOKEN", "DB_PASSWORD")}))
+    # The same run with another spec (a secret more, another command): refused, naming
+    # the fields, never their values; the run and its sandbox go on as before.
+    out["other_spec"] = send("lease.acquire", {"run_id": run_id, "spec": secret_spec(
+        "API_TOKEN", "DB_PASSWORD", "OTHER_KEY", command=["sleep", "600"])})
+    out["other_spec_ids"] = (run_id, lease_id)
     out["resume"] = ok(send("lease.resume_check", {"lease_id": lease_id}))
     out["touch"] = [ok(send("lease.touch", {"lease_id": lease_id})) for _ in range(2)]
     out["detach"] = [ok(send("run.detach", {"run_id": run_id}))]
@@ -209,6 +214,9 @@ def test_failure_paths_fail_loudly_and_briefly(sent: dict[str, Any]) -> None:
     refused(sent["camel"], "secretEnv", "Extra inputs are not permitted")
     refused(sent["dash"], "secret-env", "Extra inputs are not permitted")
     refused(sent["top"], "unknown field(s) 'Secret-Env'")
+    run_id, lease_id = sent["other_spec_ids"]
+    refused(sent["other_spec"], f"run {run_id} already has lease {lease_id} (active)",
+            "(differing fields: command, secret_env)", "start a new run", "same spec")
 
 
 def test_not_one_secret_anywhere(contract: Contract, sent: dict[str, Any]) -> None:

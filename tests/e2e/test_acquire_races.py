@@ -67,6 +67,60 @@ def test_the_same_acquire_sent_twice_at_once_keeps_the_sandbox(stack: WorkerStac
     truthful(rt, run_id, lease_id)
 
 
+def test_the_same_run_acquired_again_with_another_spec_is_refused_not_answered(
+        stack: WorkerStack) -> None:
+    # Before: the second acquire was answered already_acquired with the first spec's
+    # sandbox, and the backend believed its run had the sandbox it asked for.
+    rt, run_id = stack.runtime(), rid()
+    spec = {"env": {"MODE": "a"}, "secret_env": {"TOKEN": "tok-a1"}}
+    first = producer.acquire_lease(run_id, spec).get(60)
+    other = {"env": {"MODE": "b"}, "secret_env": {"KEY": "tok-b2"}, "ttl_s": 600}
+    with pytest.raises(InvalidRequest) as refused:
+        producer.acquire_lease(run_id, other).get(60)
+    message = str(refused.value)
+    assert f"run {run_id} already has lease {first['lease_id']} (active)" in message
+    assert "(differing fields: env, secret_env, ttl_s)" in message
+    assert "start a new run" in message and "tok-" not in message
+    again = producer.acquire_lease(run_id, spec).get(60)  # a redelivery: as before
+    assert (again["result"], again["lease_id"]) == ("already_acquired", first["lease_id"])
+    lease, run = rt.store.get_lease(first["lease_id"]), rt.store.get_run(run_id)
+    assert (lease.state, lease.run_id) == (LeaseState.ACTIVE, run_id)
+    assert (run.status, run.lease_id, run.error) == (RunStatus.RUNNING, lease.lease_id, None)
+    assert rt.provider("local").resume_check(handle(lease), 5).outcome == \
+        ResumeOutcome.RESUMABLE
+    producer.finish_run(run_id, "completed", 0).get(60)
+    assert reclaimed(rt, run_id).reclaim_outcome == ReclaimOutcome.DESTROYED
+    truthful(rt, run_id, lease.lease_id)
+
+
+def test_two_copies_of_a_run_with_different_specs_at_once_give_it_one_sandbox(
+        stack: WorkerStack) -> None:
+    # The copy that comes second (its provider call slowed) is refused, whichever it is.
+    rt, run_id = stack.runtime(), rid()
+    stack.faults.write({"acquire": [{"fault": "slow", "seconds": 3, "when": "after"}]})
+    copies = [producer.acquire_lease(run_id, {"provider": "faulty", "env": {"MODE": m}})
+              for m in ("a", "b")]
+    answers: list[dict[str, Any] | str] = []
+    for copy in copies:
+        try:
+            answers.append(copy.get(60))
+        except InvalidRequest as exc:
+            answers.append(str(exc))
+    (won,) = [a for a in answers if isinstance(a, dict)]
+    (lost,) = [a for a in answers if isinstance(a, str)]
+    assert won["result"] in {"acquired", "adopted"}
+    assert f"already has lease {won['lease_id']}" in lost and "(differing fields: env)" in lost
+    lease, run = rt.store.get_lease(won["lease_id"]), rt.store.get_run(run_id)
+    assert (lease.state, lease.run_id) == (LeaseState.ACTIVE, run_id)
+    assert (run.status, run.lease_id) == (RunStatus.RUNNING, lease.lease_id)
+    assert [x.lease_id for x in rt.store.leases() if x.run_id == run_id] == [lease.lease_id]
+    assert [r.lease_id for r in rt.provider("faulty").list_managed()
+            if r.lease_id == lease.lease_id] == [lease.lease_id]  # one sandbox, not two
+    producer.finish_run(run_id, "completed", 0).get(60)
+    assert reclaimed(rt, run_id).reclaim_outcome == ReclaimOutcome.DESTROYED
+    truthful(rt, run_id, lease.lease_id)
+
+
 @pytest.fixture(scope="module")
 def pool_stack(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory
                ) -> Iterator[WorkerStack]:

@@ -174,6 +174,10 @@ SWEEP_READS_AND_CLAIMS: dict[str, Callable[[SweepStore], object]] = {
     "stuck_provisioning": lambda s: s.claim_stuck(
         [lease.lease_id for lease in s.due_stuck(NOW, 25)], NOW, 300),
     "orphans": _orphans,
+    # the runs bound to the leases whose sandbox a provider listed as exited: 200 leases,
+    # 10 of them active with a running run
+    "finish_exited": lambda s: s.store.unfinished_runs_on_leases(
+        [f"l{i:010d}" for i in range(901, 1101)]),
 }
 
 

@@ -16,6 +16,7 @@ from models.store import Store
 from providers.base import LeaseHandle
 from providers.faulty import FaultPlan
 from providers.spec import SandboxSpec
+from tests.services import RedisServer
 from workers.runtime import Runtime
 from workers.settings import Settings
 
@@ -68,7 +69,9 @@ def destroy_everything(rt: Runtime) -> None:
 
 
 @pytest.fixture
-def rt(store_url: str, tmp_path: Path) -> Iterator[Runtime]:
+def rt(store_url: str, tmp_path: Path, redis_server: RedisServer) -> Iterator[Runtime]:
+    # Redis: a run finished with an error reads the run's secret marks there
+    # (tasks/secret_marks.py); without it a file run alone failed those finishes
     runtime = make_runtime(store_url, tmp_path)
     yield runtime
     (tmp_path / "faults.json").unlink(missing_ok=True)
@@ -77,7 +80,8 @@ def rt(store_url: str, tmp_path: Path) -> Iterator[Runtime]:
 
 
 @pytest.fixture
-def runtime_with(store_url: str, tmp_path: Path) -> Iterator[Callable[..., Runtime]]:
+def runtime_with(store_url: str, tmp_path: Path, redis_server: RedisServer
+                 ) -> Iterator[Callable[..., Runtime]]:
     """Runtimes with other settings, over the test's store; each cleaned up afterwards."""
     made: list[Runtime] = []
 

@@ -6,12 +6,15 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from models.schema import LeaseState, ReclaimOutcome, RunStatus
 from providers.faulty import FaultPlan
 from tasks.finish_exited import ExitedOutcome, finish_exited
+from tasks.runs import finish
 from tasks.sweeping import SweepContext
 from tests.e2e.conftest import eventually
 from tests.stack import WorkerStack
@@ -137,3 +140,49 @@ def test_through_the_worker_the_run_is_finished_and_its_sandbox_reclaimed(
     assert run.reclaim_outcome == ReclaimOutcome.DESTROYED
     assert rt.store.get_lease(lease_id).state == LeaseState.DESTROYED
     assert not [r for r in rt.provider("local").list_managed() if r.lease_id == lease_id]
+
+
+def test_every_running_run_sharing_a_reused_sandbox_is_finished(
+    rt: Runtime, effects: Recorder, tmp_path: Path
+) -> None:
+    # Before: only the lease's latest run (run-b) was finished; run-a, bound to the same
+    # sandbox by the thread's reuse, stayed running after its sandbox's command exited.
+    stop = tmp_path / "stop"
+    command = ["sh", "-c", f'while [ ! -e "{stop}" ]; do sleep 0.05; done; exit 5']
+    shared = acquire(rt, "run-a", command=command, reuse=True, thread_id="t-1")
+    assert acquire(rt, "run-b", command=command, reuse=True, thread_id="t-1") == shared
+    done = acquire(rt, "run-c", command=command, reuse=True, thread_id="t-1")
+    assert done == shared
+    finish(rt, "run-c", RunStatus.COMPLETED, 0, None)  # finished before: left as it is
+    stop.touch()
+    assert exited(rt, shared) == 5
+    tally = finish_exited(SweepContext(rt, effects))
+    assert tally[ExitedOutcome.FAILED] == 2
+    for run_id in ("run-a", "run-b"):
+        run = rt.store.get_run(run_id)
+        assert (run.status, run.exit_code, run.error, run.lease_id) == (
+            RunStatus.FAILED, 5, "the sandbox command exited with code 5", shared)
+        assert run.reclaim_due is False  # a reused sandbox outlives its runs (run.finish)
+    run_c = rt.store.get_run("run-c")
+    assert (run_c.status, run_c.exit_code) == (RunStatus.COMPLETED, 0)
+    assert effects.reclaims == []
+    again = finish_exited(SweepContext(rt, effects))
+    assert sum(again.counts.values()) == 0
+
+
+def test_runs_sharing_a_sandbox_past_the_batch_are_deferred_to_the_next_tick(
+    runtime_with: Callable[..., Runtime], tmp_path: Path
+) -> None:
+    rt = runtime_with(sweep_batch_size=1)
+    effects = Recorder(rt)
+    stop = tmp_path / "stop"
+    command = ["sh", "-c", f'while [ ! -e "{stop}" ]; do sleep 0.05; done; exit 0']
+    shared = acquire(rt, "run-a", command=command, reuse=True, thread_id="t-1")
+    assert acquire(rt, "run-b", command=command, reuse=True, thread_id="t-1") == shared
+    stop.touch()
+    exited(rt, shared)
+    first = finish_exited(SweepContext(rt, effects))
+    assert (first[ExitedOutcome.COMPLETED], first[ExitedOutcome.DEFERRED]) == (1, 1)
+    second = finish_exited(SweepContext(rt, effects))
+    assert (second[ExitedOutcome.COMPLETED], second[ExitedOutcome.DEFERRED]) == (1, 0)
+    assert {rt.store.get_run(r).status for r in ("run-a", "run-b")} == {RunStatus.COMPLETED}
