@@ -267,23 +267,31 @@ class KubernetesProvider:
                                                            request.timeout_s)
                 case Backend.JOB if request.pool is not None:
                     # A pool member is claimed by an exec into its pod: it must run first.
+                    # A pod the API server refuses never runs: the controller's word on it
+                    # ends that wait at once instead of at the acquire's timeout.
+                    self._check_job_start(workload.obj, deadline, request.name)
                     info["pod_name"] = self._await_job_pod(workload.obj, deadline,
                                                            request.timeout_s)
-                case Backend.JOB if self.job_pod_wait_s > 0:
-                    # Pending is fine for a Job (the seed's resume check says so), but a
-                    # pod the API server refuses is not: wait briefly for the controller's
-                    # word on it (job_start.py).
-                    verdict = job_start(self.api, workload.obj, min(
-                        self.job_pod_wait_s, max(deadline - self._clock(), 0.0)), self._clock)
-                    if verdict.outcome is JobStart.REFUSED:
-                        raise verdict.error(request.name)
                 case Backend.JOB:
-                    pass  # not checked (LEASEKEEPER_KUBE_JOB_POD_WAIT_S=0)
+                    # Pending is fine for a Job (the seed's resume check says so), but a
+                    # pod the API server refuses is not.
+                    self._check_job_start(workload.obj, deadline, request.name)
         except Exception as exc:
             self._cleanup_failed_acquire(request.lease_id, LeaseHandle(request.name,
                                                                        backend.value, info), exc)
             raise
         return Acquired(workload.outcome, backend.value, info)
+
+    def _check_job_start(self, job: Obj, deadline: float, name: str) -> None:
+        """Wait briefly (``job_pod_wait_s``, within the acquire's deadline; 0: not checked)
+        for the Job controller's word on the Job's pod (job_start.py); raise if the API
+        server refused it."""
+        if self.job_pod_wait_s <= 0:
+            return  # LEASEKEEPER_KUBE_JOB_POD_WAIT_S=0
+        verdict = job_start(self.api, job, min(self.job_pod_wait_s,
+                                               max(deadline - self._clock(), 0.0)), self._clock)
+        if verdict.outcome is JobStart.REFUSED:
+            raise verdict.error(name)
 
     def _meta(self, backend: Backend, workload: Obj, pod_name: str | None) -> Meta:
         return {
