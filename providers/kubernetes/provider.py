@@ -109,6 +109,7 @@ from providers.kubernetes.status import (
     belongs_to,
     controlled_by,
     controlled_by_other,
+    controller_said,
     created_at,
     is_terminating,
     job_exit_code,
@@ -347,12 +348,19 @@ class KubernetesProvider:
             return uid_of(self.api.create_secret(manifest))
         except KubeAlreadyExists:
             existing = self.api.get_secret_metadata(name)
-        if (not belongs_to(existing, identity.lease_id, self.installation)
-                or controlled_by_other(existing, identity.name)):
+        where = f"Secret {self.api.namespace}/{name}"
+        if controlled_by_other(existing, identity.name):
+            # Whatever its labels say: another operator's (an ExternalSecret's, a
+            # SealedSecret's...) would make it again, or lose what it holds.
             raise _NotOurs(
-                f"kubernetes: Secret {self.api.namespace}/{name} exists and is not lease "
-                f"{identity.lease_id}'s; refusing to adopt it: delete it or use another "
-                "LEASEKEEPER_KUBE_NAMESPACE")
+                f"kubernetes: {where} exists and {controller_said(existing)}, not by "
+                f"{workload_kind(backend)} {identity.name}; refusing to adopt, replace or "
+                "delete it: remove it through its controller if it is a leftover, or use "
+                "another LEASEKEEPER_KUBE_NAMESPACE")
+        if not belongs_to(existing, identity.lease_id, self.installation):
+            raise _NotOurs(
+                f"kubernetes: {where} exists and is not lease {identity.lease_id}'s; "
+                "refusing to adopt it: delete it or use another LEASEKEEPER_KUBE_NAMESPACE")
         if uid in owner_uids(existing) and not is_terminating(existing):
             return uid_of(existing)
         # Ours, but owned by an earlier incarnation of the workload: the garbage collector
@@ -455,10 +463,12 @@ class KubernetesProvider:
 
     # -- pods -----------------------------------------------------------------------------
     def _sandbox_pod(self, sandbox: Obj, api: KubeApi | None = None) -> _PodLookup:
-        """status.podName / the pod-name annotation, then the pod named like the Sandbox,
-        then label agents.x-k8s.io/sandbox-name preferring Running. Never by prefix, and
-        only a pod the Sandbox controls (its controller ownerReference is the Sandbox's
-        uid): a pod that merely carries the name or the label is someone else's."""
+        """status.podName / the pod-name annotation; with neither, the pod named like the
+        Sandbox, then label agents.x-k8s.io/sandbox-name preferring Running. Never by
+        prefix, and only a pod the Sandbox controls (its controller ownerReference is the
+        Sandbox's uid): a pod that merely carries the name or the label is someone else's.
+        A Sandbox that names a pod not its own is inconsistent: no pod (that one is not
+        used, and neither is any other in its place)."""
         api = api or self.api
         name, uid = name_of(sandbox), uid_of(sandbox)
         hint = sandbox_pod_hint(sandbox)
@@ -469,19 +479,17 @@ class KubernetesProvider:
                 return _PodLookup(None, f"Pod {hint} no longer exists")
             if controlled_by(pod, uid):
                 return _PodLookup(pod)
-        if hint != name:
-            try:
-                pod = api.get_pod(name)
-                if controlled_by(pod, uid):
-                    return _PodLookup(pod)
-            except KubeNotFound:
-                pass
-        found = pick_pod(api.list_pods(f"{SANDBOX_NAME_LABEL}={name}"), uid)
-        if found is None and hint:
-            return _PodLookup(None, f"Pod {hint}, which Sandbox {name} names, is not its (it "
-                                    "has another controller, or none), and no pod of its was "
-                                    "found")
-        return _PodLookup(found)
+            return _PodLookup(None, f"Pod {hint}, which Sandbox {name} names, is not its "
+                                    f"({controller_said(pod)}): the Sandbox is inconsistent "
+                                    "and no pod of it is used; see what set its status.podName "
+                                    "or pod-name annotation, then recreate the sandbox")
+        try:
+            pod = api.get_pod(name)
+            if controlled_by(pod, uid):
+                return _PodLookup(pod)
+        except KubeNotFound:
+            pass
+        return _PodLookup(pick_pod(api.list_pods(f"{SANDBOX_NAME_LABEL}={name}"), uid))
 
     def _job_pod(self, job: Obj, api: KubeApi | None = None) -> Obj | None:
         api = api or self.api
@@ -618,8 +626,10 @@ class KubernetesProvider:
                 return _not_claimable(state.reason)
             case SandboxPhase.READY:
                 pass
-        if pod_name:
+        hint = sandbox_pod_hint(sandbox)
+        if pod_name and hint in (None, pod_name):
             return self._claimable_pod(api, str(pod_name), uid_of(sandbox), f"Sandbox {name}")
+        # none recorded, or the Sandbox names another pod now: the Sandbox's word decides
         lookup = self._sandbox_pod(sandbox, api)
         if lookup.pod is None:
             return _not_claimable(lookup.reason)

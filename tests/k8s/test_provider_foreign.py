@@ -6,9 +6,13 @@ kubelet simulator, with the foreign objects made directly by the admin client:
   warm-pool ``claim`` (no exec: the run's data, secrets included, never reaches it);
 - an object another controller owns (a user's Deployment whose pod template copied our
   labels) is never deleted by ``destroy`` nor listed by ``list_managed`` as an orphan;
-- a pod counts for a workload only if the workload controls it: a bare pod named by a
-  Sandbox's ``status.podName`` or labelled ``job-name=<our Job>`` is never named by
-  ``resume_check``, and its exit code is never the Job's.
+- a pod counts for a workload only if the workload controls it: a bare pod labelled
+  ``job-name=<our Job>`` is never named by ``resume_check``, and its exit code is never the
+  Job's; a Sandbox whose ``status.podName`` names a pod not its own is inconsistent: not
+  resumable, and a claim delivers the run's data into no pod (neither that one nor the
+  Sandbox's own);
+- a Secret under the lease's Secret name that another controller owns is never adopted,
+  replaced nor deleted (acquire refuses it, naming its controller; its cleanup leaves it).
 """
 
 from __future__ import annotations
@@ -24,7 +28,15 @@ import pytest
 from kubernetes import client
 
 from providers.base import ClaimOutcome, LeaseHandle, ResumeOutcome
-from providers.kubernetes.manifests import LeaseIdentity, build_job, build_sandbox
+from providers.errors import ProviderConflict
+from providers.kubernetes.manifests import (
+    Backend,
+    LeaseIdentity,
+    OwnerRef,
+    build_job,
+    build_sandbox,
+    build_secret,
+)
 from providers.kubernetes.status import JobPhase
 from providers.spec import SandboxSpec
 from tests.cluster.waits import condition_is, gone, pod_phase_in
@@ -205,22 +217,56 @@ def test_list_managed_reports_no_orphan_for_a_users_deployment_that_copied_our_l
 
 # -- 3. a pod counts only if the workload controls it ------------------------------------------
 
-def test_resume_check_never_names_a_bare_pod_the_sandbox_status_names(kenv: KubeEnv) -> None:
-    # given a Ready Sandbox whose status names a pod made by hand, which runs
-    request = kenv.request()
-    acquired = kenv.provider.acquire(request)
+def sandbox_naming_a_bare_pod(kenv: KubeEnv, name: str) -> str:
+    """A bare running pod (made by hand, no controller), which the Ready Sandbox ``name``'s
+    status then names; returns the pod's name."""
     bare = f"bare-{secrets.token_hex(3)}"
     bare_pod(kenv, bare, {"app": "hand-made"}, "while :; do sleep 1; done")
     kenv.wait("pod", bare, pod_phase_in("Running"))
     kenv.custom.patch_namespaced_custom_object_status(
-        GROUP, "v1alpha1", kenv.namespace, PLURAL, request.name, {"status": {"podName": bare}},
+        GROUP, "v1alpha1", kenv.namespace, PLURAL, name, {"status": {"podName": bare}},
         _content_type="application/merge-patch+json", _preload_content=False)
-    kenv.wait("sandbox", request.name,
-              lambda sb: (sb or {}).get("status", {}).get("podName") == bare)
-    # when checking resume; then the pod named is the Sandbox's own, never the bare one
-    result = kenv.provider.resume_check(kenv.handle(request.name, **acquired.meta), 5)
-    assert result.outcome is ResumeOutcome.RESUMABLE, result
-    assert result.details["pod_name"] == request.name
+    kenv.wait("sandbox", name, lambda sb: (sb or {}).get("status", {}).get("podName") == bare)
+    return bare
+
+
+def test_resume_check_of_a_sandbox_naming_a_pod_not_its_own_is_not_resumable(
+        kenv: KubeEnv) -> None:
+    # given a Ready Sandbox, its own pod running, whose status names a pod made by hand
+    request = kenv.request()
+    acquired = kenv.provider.acquire(request)
+    bare = sandbox_naming_a_bare_pod(kenv, request.name)
+    assert kenv.read("pod", request.name) is not None
+    # when checking resume (with the pod acquire recorded, and with none)
+    for meta in (acquired.meta, {**acquired.meta, "pod_name": None}):
+        result = kenv.provider.resume_check(kenv.handle(request.name, **meta), 5)
+        # then the inconsistent Sandbox is not resumable, saying which pod and why; neither
+        # the bare pod nor the Sandbox's own is named
+        assert result.outcome is ResumeOutcome.NOT_RESUMABLE, result
+        assert f"Pod {bare}, which Sandbox {request.name} names, is not its" in \
+            (result.reason or ""), result
+        assert "it has no controller" in (result.reason or ""), result
+        assert not result.details.get("pod_name"), result
+
+
+def test_claim_never_delivers_to_a_sandbox_naming_a_pod_not_its_own(kenv: KubeEnv) -> None:
+    # given a Ready pool member Sandbox whose status names a pod made by hand, and whose own
+    # pod (the one acquire recorded) still runs
+    request, handle = member(kenv, "sandbox-cr")
+    assert handle.meta["pod_name"] == request.name
+    bare = sandbox_naming_a_bare_pod(kenv, request.name)
+    kenv.proxy.reset_counts()
+    secret = new_secret()
+    # when a run claims it (with the pod acquire recorded, and with none)
+    for meta in (handle.meta, {**handle.meta, "pod_name": None}):
+        claimed = kenv.provider.claim(kenv.handle(request.name, **meta),
+                                      claim_request(request.lease_id, secret))
+        # then it is not claimable, and the run's data went into no pod at all
+        assert claimed.outcome is ClaimOutcome.NOT_RESUMABLE, claimed
+        assert f"Pod {bare}, which Sandbox {request.name} names, is not its" in \
+            (claimed.reason or ""), claimed
+        assert secret not in (claimed.reason or "")
+    assert kenv.proxy.count(None, r"/exec$") == 0
 
 
 def test_resume_check_never_names_a_bare_pod_labelled_with_the_job_name(kenv: KubeEnv) -> None:
@@ -258,3 +304,40 @@ def test_a_finished_jobs_exit_code_is_never_a_bare_pods(kenv: KubeEnv) -> None:
     listed = {r.name: r for r in kenv.provider.list_managed()}
     assert listed[request.name].exit_code == 3
     assert listed[request.name].meta["pod_name"] != bare
+
+
+# -- 4. a Secret another controller owns is never adopted, replaced nor deleted ----------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_acquire_never_adopts_replaces_or_deletes_a_secret_another_controller_owns(
+        kenv: KubeEnv, backend: str) -> None:
+    # given a Secret under the lease's Secret name, labelled as this lease's, which another
+    # operator's object controls (a ConfigMap stands in for its custom resource: it exists,
+    # so the garbage collector keeps the Secret)
+    request = kenv.request(backend=backend, command=LOOP)
+    operator = f"operator-{secrets.token_hex(3)}"
+    owner = json.loads(kenv.core.create_namespaced_config_map(
+        kenv.namespace, {"metadata": {"name": operator}}, _preload_content=False).data)
+    identity = LeaseIdentity(request.lease_id, request.name, kenv.installation, "acme")
+    theirs = json.loads(kenv.core.create_namespaced_secret(kenv.namespace, build_secret(
+        identity, request.spec, kenv.provider.defaults, Backend(backend), "their-token",
+        OwnerRef("v1", "ConfigMap", operator, owner["metadata"]["uid"])),
+        _preload_content=False).data)
+    kenv.proxy.reset_counts()
+    # when the lease is acquired
+    with pytest.raises(ProviderConflict) as info:
+        kenv.provider.acquire(request)
+    # then it is refused, naming the Secret, its controller and what to do
+    text = str(info.value)
+    assert f"Secret {kenv.namespace}/{request.name}-env" in text, text
+    assert f"controlled by ConfigMap {operator}" in text, text
+    assert "refusing to adopt, replace or delete it" in text, text
+    assert "LEASEKEEPER_KUBE_NAMESPACE" in text, text
+    # and the failed acquire's cleanup removed its own workload, never their Secret
+    kenv.wait(KIND[backend], request.name, gone)
+    assert kenv.proxy.count("DELETE", r"/secrets/") == 0
+    assert kenv.proxy.count("PUT", r"/secrets/") == kenv.proxy.count("PATCH", r"/secrets/") == 0
+    found = kenv.read("secret", f"{request.name}-env")
+    assert found is not None and found["metadata"]["uid"] == theirs["metadata"]["uid"]
+    assert not found["metadata"].get("deletionTimestamp")
+
