@@ -376,6 +376,11 @@ class KubernetesProvider:
             case WaitOutcome.DELETED:
                 raise TransientProviderError(
                     f"kubernetes: Sandbox {name} was deleted while waiting for it to be Ready")
+            case WaitOutcome.REPLACED:
+                # a retry adopts it if it is this lease's, and refuses it otherwise
+                raise TransientProviderError(
+                    f"kubernetes: Sandbox {name} was deleted while waiting for it to be Ready, "
+                    "and another Sandbox now holds its name; it is not taken for this one")
             case WaitOutcome.TIMED_OUT:
                 state = sandbox_state(result.obj or sandbox)
                 raise TransientProviderError(
@@ -414,7 +419,7 @@ class KubernetesProvider:
             watch=lambda rv, timeout: api.watch_sandbox(name, rv, timeout),
             reread=reread,
             settled=lambda obj: sandbox_state(obj).phase is not SandboxPhase.PENDING,
-            deadline=deadline, clock=self._clock)
+            deadline=deadline, clock=self._clock, incarnation=uid_of(sandbox))
 
     def _await_job_pod(self, job: Obj, deadline: float, timeout_s: float) -> str:
         """The name of the Job's pod once it is Running: one list, then one watch of the
@@ -436,7 +441,7 @@ class KubernetesProvider:
             settled=lambda pod: controlled_by(pod, uid) and _pod_started_or_ended(pod),
             deadline=deadline, clock=self._clock)
         match result.outcome:
-            case WaitOutcome.DELETED:
+            case WaitOutcome.DELETED | WaitOutcome.REPLACED:  # REPLACED: not for a list
                 raise TransientProviderError(
                     f"kubernetes: the pod of Job {name} was deleted before it ran")
             case WaitOutcome.TIMED_OUT:
@@ -527,7 +532,7 @@ class KubernetesProvider:
                     return ResumeResult.not_resumable(
                         f"Sandbox {name} did not become Ready within {timeout_s:g}s "
                         f"({last.reason})")
-                case WaitOutcome.SETTLED:
+                case WaitOutcome.SETTLED | WaitOutcome.REPLACED:
                     sandbox = result.obj or sandbox
                     state = sandbox_state(sandbox)
             if not self._is_the_leases(sandbox, name, recorded):  # replaced while waiting

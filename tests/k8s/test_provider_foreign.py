@@ -12,7 +12,9 @@ kubelet simulator, with the foreign objects made directly by the admin client:
   resumable, and a claim delivers the run's data into no pod (neither that one nor the
   Sandbox's own);
 - a Secret under the lease's Secret name that another controller owns is never adopted,
-  replaced nor deleted (acquire refuses it, naming its controller; its cleanup leaves it).
+  replaced nor deleted (acquire refuses it, naming its controller; its cleanup leaves it);
+- a Sandbox made under the lease's name by someone else while a wait on the lease's went on
+  (the watch answered 410, so no DELETED event is seen) is never taken for the lease's.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import secrets
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from typing import Any, TypeVar
 
@@ -28,7 +31,7 @@ import pytest
 from kubernetes import client
 
 from providers.base import ClaimOutcome, LeaseHandle, ResumeOutcome
-from providers.errors import ProviderConflict
+from providers.errors import ProviderConflict, TransientProviderError
 from providers.kubernetes.manifests import (
     Backend,
     LeaseIdentity,
@@ -39,6 +42,7 @@ from providers.kubernetes.manifests import (
 )
 from providers.kubernetes.status import JobPhase
 from providers.spec import SandboxSpec
+from tests.cluster.fault_proxy import Rule
 from tests.cluster.waits import condition_is, gone, pod_phase_in
 from tests.k8s.conftest import GROUP, PLURAL, KubeEnv
 from tests.k8s.test_provider_pools import claim_request, member, new_secret
@@ -341,3 +345,83 @@ def test_acquire_never_adopts_replaces_or_deletes_a_secret_another_controller_ow
     assert found is not None and found["metadata"]["uid"] == theirs["metadata"]["uid"]
     assert not found["metadata"].get("deletionTimestamp")
 
+
+# -- 5. a Sandbox made under the lease's name during a wait is not the lease's -----------------
+
+def sandbox_replaced_while_held(kenv: KubeEnv, controller: Any, name: str, rule: Rule, *,
+                                ready: bool) -> dict[str, Any]:
+    """Once a request is held by ``rule``: the lease's Sandbox is deleted (and gone), another
+    installation makes its own under the name (Ready if ``ready``, else never Ready), then
+    the request is released. Returns their Sandbox."""
+    try:
+        assert rule.arrived.wait(60), "the held request never came"
+        kenv.custom.delete_namespaced_custom_object(GROUP, "v1alpha1", kenv.namespace, PLURAL,
+                                                    name, _preload_content=False)
+        kenv.wait("sandbox", name, gone)
+        if ready:  # their pod reads their Secret (ours goes with our Sandbox)
+            kenv.wait("secret", f"{name}-env", gone)
+            kenv.core.create_namespaced_secret(kenv.namespace, {
+                "metadata": {"name": f"{name}-env", "labels": {"app": "someone-else"}},
+                "stringData": {"THEIRS": "their-value"}}, _preload_content=False)
+            controller.reset(kenv.namespace, name)
+        identity = LeaseIdentity("their-lease", name, "someone-else", "acme")
+        theirs = kenv.create_sandbox(build_sandbox(
+            identity, SandboxSpec(tenant="acme", command=LOOP), kenv.provider.defaults,
+            datetime.now(UTC)))
+        if ready:
+            kenv.wait("sandbox", name, condition_is("Ready"))
+        return theirs
+    finally:
+        rule.released.set()
+
+
+def expired_watch_held(kenv: KubeEnv) -> Rule:
+    """The next Sandbox watch is held, then answered 410 Expired: the wait reads the
+    Sandbox again, and sees no DELETED event."""
+    return kenv.proxy.hold_then_fail("GET", r"/sandboxes$", 410, reason="Expired",
+                                     query="watch=true", message="too old resource version")
+
+
+def test_acquire_never_takes_a_sandbox_made_under_its_name_while_it_waited(
+        kenv: KubeEnv, steered_controller: Any) -> None:
+    # given an acquire waiting for its Sandbox to be Ready, whose watch is answered 410 only
+    # after that Sandbox was deleted and another installation's, Ready, made under its name
+    request = kenv.request()
+    steered_controller.never_ready(kenv.namespace, request.name)
+    rule = expired_watch_held(kenv)
+    with ThreadPoolExecutor(1) as pool:
+        acquiring = pool.submit(kenv.provider.acquire, request)
+        theirs = sandbox_replaced_while_held(kenv, steered_controller, request.name, rule,
+                                             ready=True)
+        # then the acquire fails (transient: a retry finds their Sandbox and refuses it)
+        with pytest.raises(TransientProviderError) as info:
+            acquiring.result()
+    text = str(info.value)
+    assert f"Sandbox {request.name} was deleted while waiting" in text, text
+    assert "another Sandbox now holds its name" in text, text
+    # and their Sandbox was left alone
+    found = kenv.read("sandbox", request.name)
+    assert found is not None and found["metadata"]["uid"] == theirs["metadata"]["uid"]
+    assert not found["metadata"].get("deletionTimestamp")
+
+
+@pytest.mark.parametrize("theirs_ready", [False, True], ids=["theirs-pending", "theirs-ready"])
+def test_resume_check_never_waits_on_a_sandbox_made_under_its_name_meanwhile(
+        kenv: KubeEnv, steered_controller: Any, theirs_ready: bool) -> None:
+    # given the lease's Sandbox, not Ready yet, checked while its watch is answered 410 only
+    # after it was deleted and another installation's made under its name
+    request = kenv.request()
+    steered_controller.never_ready(kenv.namespace, request.name)
+    identity = LeaseIdentity(request.lease_id, request.name, kenv.installation, "acme")
+    ours = kenv.create_sandbox(build_sandbox(identity, request.spec, kenv.provider.defaults,
+                                             datetime.now(UTC)))
+    handle = kenv.handle(request.name, uid=ours["metadata"]["uid"])
+    rule = expired_watch_held(kenv)
+    with ThreadPoolExecutor(1) as pool:
+        checking = pool.submit(kenv.provider.resume_check, handle, 30)
+        sandbox_replaced_while_held(kenv, steered_controller, request.name, rule,
+                                    ready=theirs_ready)
+        result = checking.result()
+    # then the lease's Sandbox is gone at once (no wait on theirs until the timeout)
+    assert result.outcome is ResumeOutcome.NOT_RESUMABLE, result
+    assert "is not this lease's" in (result.reason or ""), result
