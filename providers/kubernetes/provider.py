@@ -109,6 +109,7 @@ from providers.kubernetes.status import (
     belongs_to,
     controlled_by,
     controlled_by_other,
+    controller_said,
     created_at,
     is_terminating,
     job_exit_code,
@@ -267,23 +268,31 @@ class KubernetesProvider:
                                                            request.timeout_s)
                 case Backend.JOB if request.pool is not None:
                     # A pool member is claimed by an exec into its pod: it must run first.
+                    # A pod the API server refuses never runs: the controller's word on it
+                    # ends that wait at once instead of at the acquire's timeout.
+                    self._check_job_start(workload.obj, deadline, request.name)
                     info["pod_name"] = self._await_job_pod(workload.obj, deadline,
                                                            request.timeout_s)
-                case Backend.JOB if self.job_pod_wait_s > 0:
-                    # Pending is fine for a Job (the seed's resume check says so), but a
-                    # pod the API server refuses is not: wait briefly for the controller's
-                    # word on it (job_start.py).
-                    verdict = job_start(self.api, workload.obj, min(
-                        self.job_pod_wait_s, max(deadline - self._clock(), 0.0)), self._clock)
-                    if verdict.outcome is JobStart.REFUSED:
-                        raise verdict.error(request.name)
                 case Backend.JOB:
-                    pass  # not checked (LEASEKEEPER_KUBE_JOB_POD_WAIT_S=0)
+                    # Pending is fine for a Job (the seed's resume check says so), but a
+                    # pod the API server refuses is not.
+                    self._check_job_start(workload.obj, deadline, request.name)
         except Exception as exc:
             self._cleanup_failed_acquire(request.lease_id, LeaseHandle(request.name,
                                                                        backend.value, info), exc)
             raise
         return Acquired(workload.outcome, backend.value, info)
+
+    def _check_job_start(self, job: Obj, deadline: float, name: str) -> None:
+        """Wait briefly (``job_pod_wait_s``, within the acquire's deadline; 0: not checked)
+        for the Job controller's word on the Job's pod (job_start.py); raise if the API
+        server refused it."""
+        if self.job_pod_wait_s <= 0:
+            return  # LEASEKEEPER_KUBE_JOB_POD_WAIT_S=0
+        verdict = job_start(self.api, job, min(self.job_pod_wait_s,
+                                               max(deadline - self._clock(), 0.0)), self._clock)
+        if verdict.outcome is JobStart.REFUSED:
+            raise verdict.error(name)
 
     def _meta(self, backend: Backend, workload: Obj, pod_name: str | None) -> Meta:
         return {
@@ -339,12 +348,19 @@ class KubernetesProvider:
             return uid_of(self.api.create_secret(manifest))
         except KubeAlreadyExists:
             existing = self.api.get_secret_metadata(name)
-        if (not belongs_to(existing, identity.lease_id, self.installation)
-                or controlled_by_other(existing, identity.name)):
+        where = f"Secret {self.api.namespace}/{name}"
+        if controlled_by_other(existing, identity.name):
+            # Whatever its labels say: another operator's (an ExternalSecret's, a
+            # SealedSecret's...) would make it again, or lose what it holds.
             raise _NotOurs(
-                f"kubernetes: Secret {self.api.namespace}/{name} exists and is not lease "
-                f"{identity.lease_id}'s; refusing to adopt it: delete it or use another "
-                "LEASEKEEPER_KUBE_NAMESPACE")
+                f"kubernetes: {where} exists and {controller_said(existing)}, not by "
+                f"{workload_kind(backend)} {identity.name}; refusing to adopt, replace or "
+                "delete it: remove it through its controller if it is a leftover, or use "
+                "another LEASEKEEPER_KUBE_NAMESPACE")
+        if not belongs_to(existing, identity.lease_id, self.installation):
+            raise _NotOurs(
+                f"kubernetes: {where} exists and is not lease {identity.lease_id}'s; "
+                "refusing to adopt it: delete it or use another LEASEKEEPER_KUBE_NAMESPACE")
         if uid in owner_uids(existing) and not is_terminating(existing):
             return uid_of(existing)
         # Ours, but owned by an earlier incarnation of the workload: the garbage collector
@@ -360,6 +376,11 @@ class KubernetesProvider:
             case WaitOutcome.DELETED:
                 raise TransientProviderError(
                     f"kubernetes: Sandbox {name} was deleted while waiting for it to be Ready")
+            case WaitOutcome.REPLACED:
+                # a retry adopts it if it is this lease's, and refuses it otherwise
+                raise TransientProviderError(
+                    f"kubernetes: Sandbox {name} was deleted while waiting for it to be Ready, "
+                    "and another Sandbox now holds its name; it is not taken for this one")
             case WaitOutcome.TIMED_OUT:
                 state = sandbox_state(result.obj or sandbox)
                 raise TransientProviderError(
@@ -398,7 +419,7 @@ class KubernetesProvider:
             watch=lambda rv, timeout: api.watch_sandbox(name, rv, timeout),
             reread=reread,
             settled=lambda obj: sandbox_state(obj).phase is not SandboxPhase.PENDING,
-            deadline=deadline, clock=self._clock)
+            deadline=deadline, clock=self._clock, incarnation=uid_of(sandbox))
 
     def _await_job_pod(self, job: Obj, deadline: float, timeout_s: float) -> str:
         """The name of the Job's pod once it is Running: one list, then one watch of the
@@ -420,7 +441,7 @@ class KubernetesProvider:
             settled=lambda pod: controlled_by(pod, uid) and _pod_started_or_ended(pod),
             deadline=deadline, clock=self._clock)
         match result.outcome:
-            case WaitOutcome.DELETED:
+            case WaitOutcome.DELETED | WaitOutcome.REPLACED:  # REPLACED: not for a list
                 raise TransientProviderError(
                     f"kubernetes: the pod of Job {name} was deleted before it ran")
             case WaitOutcome.TIMED_OUT:
@@ -447,10 +468,12 @@ class KubernetesProvider:
 
     # -- pods -----------------------------------------------------------------------------
     def _sandbox_pod(self, sandbox: Obj, api: KubeApi | None = None) -> _PodLookup:
-        """status.podName / the pod-name annotation, then the pod named like the Sandbox,
-        then label agents.x-k8s.io/sandbox-name preferring Running. Never by prefix, and
-        only a pod the Sandbox controls (its controller ownerReference is the Sandbox's
-        uid): a pod that merely carries the name or the label is someone else's."""
+        """status.podName / the pod-name annotation; with neither, the pod named like the
+        Sandbox, then label agents.x-k8s.io/sandbox-name preferring Running. Never by
+        prefix, and only a pod the Sandbox controls (its controller ownerReference is the
+        Sandbox's uid): a pod that merely carries the name or the label is someone else's.
+        A Sandbox that names a pod not its own is inconsistent: no pod (that one is not
+        used, and neither is any other in its place)."""
         api = api or self.api
         name, uid = name_of(sandbox), uid_of(sandbox)
         hint = sandbox_pod_hint(sandbox)
@@ -461,19 +484,17 @@ class KubernetesProvider:
                 return _PodLookup(None, f"Pod {hint} no longer exists")
             if controlled_by(pod, uid):
                 return _PodLookup(pod)
-        if hint != name:
-            try:
-                pod = api.get_pod(name)
-                if controlled_by(pod, uid):
-                    return _PodLookup(pod)
-            except KubeNotFound:
-                pass
-        found = pick_pod(api.list_pods(f"{SANDBOX_NAME_LABEL}={name}"), uid)
-        if found is None and hint:
-            return _PodLookup(None, f"Pod {hint}, which Sandbox {name} names, is not its (it "
-                                    "has another controller, or none), and no pod of its was "
-                                    "found")
-        return _PodLookup(found)
+            return _PodLookup(None, f"Pod {hint}, which Sandbox {name} names, is not its "
+                                    f"({controller_said(pod)}): the Sandbox is inconsistent "
+                                    "and no pod of it is used; see what set its status.podName "
+                                    "or pod-name annotation, then recreate the sandbox")
+        try:
+            pod = api.get_pod(name)
+            if controlled_by(pod, uid):
+                return _PodLookup(pod)
+        except KubeNotFound:
+            pass
+        return _PodLookup(pick_pod(api.list_pods(f"{SANDBOX_NAME_LABEL}={name}"), uid))
 
     def _job_pod(self, job: Obj, api: KubeApi | None = None) -> Obj | None:
         api = api or self.api
@@ -511,7 +532,7 @@ class KubernetesProvider:
                     return ResumeResult.not_resumable(
                         f"Sandbox {name} did not become Ready within {timeout_s:g}s "
                         f"({last.reason})")
-                case WaitOutcome.SETTLED:
+                case WaitOutcome.SETTLED | WaitOutcome.REPLACED:
                     sandbox = result.obj or sandbox
                     state = sandbox_state(sandbox)
             if not self._is_the_leases(sandbox, name, recorded):  # replaced while waiting
@@ -610,8 +631,10 @@ class KubernetesProvider:
                 return _not_claimable(state.reason)
             case SandboxPhase.READY:
                 pass
-        if pod_name:
+        hint = sandbox_pod_hint(sandbox)
+        if pod_name and hint in (None, pod_name):
             return self._claimable_pod(api, str(pod_name), uid_of(sandbox), f"Sandbox {name}")
+        # none recorded, or the Sandbox names another pod now: the Sandbox's word decides
         lookup = self._sandbox_pod(sandbox, api)
         if lookup.pod is None:
             return _not_claimable(lookup.reason)

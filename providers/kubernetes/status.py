@@ -238,6 +238,15 @@ def controller_ref(obj: Obj) -> Mapping[str, Any] | None:
     return None
 
 
+def controller_said(obj: Obj) -> str:
+    """Who controls ``obj``, for a message: "it has no controller" or "it is controlled by
+    <kind> <name>"."""
+    ref = controller_ref(obj)
+    if ref is None:
+        return "it has no controller"
+    return f"it is controlled by {ref.get('kind')} {ref.get('name')}"
+
+
 def controlled_by(obj: Obj, owner_uid: str | None) -> bool:
     """True only when ``obj``'s controller is ``owner_uid``: a pod that nothing controls
     (made by hand) or that something else controls is not the workload's, whatever its

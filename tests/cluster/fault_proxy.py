@@ -30,7 +30,7 @@ from urllib.parse import urlsplit
 from tests.cluster.certs import CertPair, make_ca, make_server_cert
 from tests.cluster.kubeconfig import write_kubeconfig
 
-Action = Literal["status", "drop", "delay", "hold"]
+Action = Literal["status", "drop", "delay", "hold", "hold-status"]
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te",
               "trailer", "trailers", "transfer-encoding", "upgrade", "host", "content-length"}
 REASONS = {400: "BadRequest", 401: "Unauthorized", 403: "Forbidden", 404: "NotFound",
@@ -217,6 +217,15 @@ class FaultProxy:
         then forward them; ``rule.arrived`` is set once one is held."""
         return self.add_rule(Rule(method, path, "hold", times=times))
 
+    def hold_then_fail(self, method: str, path: str, code: int, times: int | None = 1,
+                       message: str | None = None, reason: str | None = None,
+                       query: str | None = None) -> Rule:
+        """Keep matching requests in flight until ``rule.released.set()``, then answer them
+        with ``code`` (never forwarded): a test changes the cluster while a request waits,
+        then the answer is one the server gives after that change (410 Expired)."""
+        return self.add_rule(Rule(method, path, "hold-status", code, message, reason,
+                                  times=times, query=query))
+
     def clear_rules(self) -> None:
         with self._lock:
             for rule in self.rules:
@@ -295,9 +304,12 @@ class _Handler(BaseHTTPRequestHandler):
             if rule.action == "status":
                 self._send_status(rule)
                 return
-            if rule.action == "hold":
+            if rule.action in ("hold", "hold-status"):
                 rule.arrived.set()
                 rule.released.wait()
+            if rule.action == "hold-status":
+                self._send_status(rule)
+                return
             time.sleep(rule.delay)
         if self.headers.get("Upgrade"):
             self._tunnel(body)

@@ -4,7 +4,9 @@ no pod. Before, the acquire answered CREATED and the run had a lease on nothing,
 resume check called it resumable. Now the acquire waits for the controller's word (an
 Event on the Job) and fails, having removed the Job and its Secret: transient for a
 used-up ResourceQuota (it frees up), terminal for a LimitRange, quoting the controller and
-saying what to fix; and the resume check of such a Job says it is not resumable."""
+saying what to fix; and the resume check of such a Job says it is not resumable. A warm
+pool's Job member, whose acquire waits for a Running pod, reads the same Events first: a
+refused pod fails it at once, not at the acquire timeout."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ from providers.errors import ProviderError, is_transient
 from providers.kubernetes.provider import KubernetesProvider, build_kubernetes_provider
 from tests.cluster.waits import gone
 from tests.k8s.conftest import KubeEnv, provider_settings
+from tests.k8s.test_provider_pools import pool_request
 
 pytestmark = [pytest.mark.k8s, pytest.mark.timeout(180)]
 
@@ -94,6 +97,24 @@ def test_a_job_whose_pod_a_used_up_quota_refuses_fails_transient_and_leaves_noth
     assert "ResourceQuota is used up" in text, text
     kenv.wait("job", name, gone)
     kenv.wait("secret", f"{name}-env", gone)
+
+
+def test_a_pool_job_member_whose_pod_a_limitrange_refuses_fails_at_once_and_leaves_nothing(
+        kenv: KubeEnv, patient: KubernetesProvider) -> None:
+    # given a namespace whose LimitRange allows less CPU than the sandbox's limit
+    limit_cpu(kenv, "10m")
+    # when a warm pool's Job member is provisioned (its acquire waits for a Running pod, up
+    # to the whole acquire timeout)
+    request = pool_request(kenv, "job", command=LOOP, timeout_s=WAIT_S)
+    with pytest.raises(ProviderError) as info:
+        patient.acquire(request)
+    # then it fails for good on the controller's word, not transiently at the timeout
+    text = str(info.value)
+    assert not is_transient(info.value), text
+    assert f"could not create the pod of Job {request.name}" in text, text
+    assert "maximum cpu usage per Container is 10m" in text, text
+    kenv.wait("job", request.name, gone)
+    kenv.wait("secret", f"{request.name}-env", gone)
 
 
 def test_a_job_whose_pod_was_refused_after_its_acquire_is_not_resumable(
