@@ -16,7 +16,6 @@ import base64
 import contextlib
 import importlib.util
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -32,6 +31,7 @@ import redis
 
 from providers.errors import ConfigError
 from workers.die_with_parent import wrapped
+from workers.flower_auth import flower_basic_auth
 from workers.settings import Settings
 
 # They write a size-rotated log (worker, beat: workers/logs.py; Flower: tornado's options).
@@ -287,8 +287,7 @@ def embedded_backend(settings: Settings, extra_env: dict[str, str],
         from workers.preflight import migrate
 
         migrate(settings.effective_store_url)
-        auth = (settings.flower_basic_auth.get_secret_value() if settings.flower_basic_auth
-                else f"admin:{secrets.token_urlsafe(12)}")
+        auth = flower_basic_auth(settings)  # the setting, or the one kept in the var dir
         node = node_name()
         for name in ("worker", "beat"):
             sup.start(name, _argv(name, var, node), env)
