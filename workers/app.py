@@ -141,8 +141,8 @@ def _warn_unknown_settings(**_: Any) -> None:
     warn_unknown_variables()
 
 
-# A store with no schema, or an older one: exit (code 2) saying what to run, instead of
-# failing every task and sweep (workers/preflight.py).
+# A store with no schema, or an older one, or (the worker's) one that refuses writes: exit
+# (code 2) saying what to do, instead of failing every task and sweep (workers/preflight.py).
 # A broker that refuses the password: exit (code 2) naming the setting, instead of
 # retrying for ever (workers/preflight.py).
 @worker_init.connect
@@ -160,17 +160,17 @@ def _beat_refuses_a_broker_password_refused(**_: Any) -> None:
 
 
 @worker_init.connect
-def _worker_refuses_a_store_not_at_head(**_: Any) -> None:
-    from workers.preflight import refuse_a_store_not_at_head
+def _worker_refuses_a_store_unfit_to_start(**_: Any) -> None:
+    from workers.preflight import refuse_a_store_unfit_to_start
 
-    refuse_a_store_not_at_head("worker")
+    refuse_a_store_unfit_to_start("worker", writes=True)
 
 
 @beat_init.connect
-def _beat_refuses_a_store_not_at_head(**_: Any) -> None:
-    from workers.preflight import refuse_a_store_not_at_head
+def _beat_refuses_a_store_unfit_to_start(**_: Any) -> None:
+    from workers.preflight import refuse_a_store_unfit_to_start
 
-    refuse_a_store_not_at_head("beat")
+    refuse_a_store_unfit_to_start("beat", writes=False)  # beat only sends tasks
 
 
 @worker_init.connect

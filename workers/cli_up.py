@@ -216,8 +216,8 @@ def _banner(settings: Settings, flower_url: str, flower_auth: str, logdir: Path,
         say(f"note: {note}")
     say(f"leasekeeper is up: broker {client_env['LEASEKEEPER_BROKER_URL']}, store "
         f"{client_env['LEASEKEEPER_STORE_URL']}")
-    say(f"Flower: {flower_url} (basic auth user:password in {creds}; set "
-        "LEASEKEEPER_FLOWER_BASIC_AUTH to choose them)")
+    say(f"Flower: {flower_url} (basic auth user:password in {creds}, kept for the next "
+        "`up` here; set LEASEKEEPER_FLOWER_BASIC_AUTH to choose them)")
     if metrics_url:
         say(f"metrics: {metrics_url}; lease console: {console_url} (the same basic auth)")
     say(f"logs: {logdir}")

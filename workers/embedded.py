@@ -1,6 +1,7 @@
 """The embedded backend `leasekeeper up` runs: Redis (when no broker is configured), the
 store's migrations, a worker, beat, Flower, the metrics exporter and the lease console
-(workers/observers.py), each a child process it stops by pid.
+(workers/observers.py), each a child process it stops by pid, and which the kernel stops
+if `up` is killed outright (workers/die_with_parent.py).
 
 It reports ready only when every child is: Redis answers PING, the worker answers a Celery
 ping to its own node name, beat has marked a tick in Redis, Flower answers an authenticated
@@ -15,7 +16,6 @@ import base64
 import contextlib
 import importlib.util
 import os
-import secrets
 import signal
 import socket
 import subprocess
@@ -30,6 +30,8 @@ from pathlib import Path
 import redis
 
 from providers.errors import ConfigError
+from workers.die_with_parent import wrapped
+from workers.flower_auth import flower_basic_auth
 from workers.settings import Settings
 
 # They write a size-rotated log (worker, beat: workers/logs.py; Flower: tornado's options).
@@ -81,7 +83,8 @@ def tail(path: Path, lines: int = TAIL_LINES) -> str:
 
 @dataclass
 class Supervisor:
-    """Starts child processes in their own process groups and stops exactly those."""
+    """Starts child processes in their own process groups and stops exactly those; each
+    dies with the process that started it, however that ends (workers/die_with_parent.py)."""
 
     logdir: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
@@ -99,8 +102,8 @@ class Supervisor:
         if name in ROTATING:
             env = {**env, "LEASEKEEPER_LOG_FILE": str(self.log(name))}
         with open(self.output(name), "ab") as log:  # the child keeps its own fd
-            proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    start_new_session=True)
+            proc = subprocess.Popen(wrapped(argv), env=env, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         return proc
 
@@ -284,8 +287,7 @@ def embedded_backend(settings: Settings, extra_env: dict[str, str],
         from workers.preflight import migrate
 
         migrate(settings.effective_store_url)
-        auth = (settings.flower_basic_auth.get_secret_value() if settings.flower_basic_auth
-                else f"admin:{secrets.token_urlsafe(12)}")
+        auth = flower_basic_auth(settings)  # the setting, or the one kept in the var dir
         node = node_name()
         for name in ("worker", "beat"):
             sup.start(name, _argv(name, var, node), env)

@@ -9,6 +9,8 @@ naming the setting, the address and the fix, never a traceback or a silent hang.
                                                                          StoreUnavailable
     check_store_writable(url)  it takes writes (not a replica, not a read-only file,
                         not a user without UPDATE)                   -> ConfigError
+    store_fit_to_start(process, url, writes)  both, at a worker's, beat's, the exporter's or
+                        the console's start: one message for all     -> ConfigError
 Nothing here creates anything: a store that was never migrated stays absent (no empty
 SQLite file), and the message names `leasekeeper db upgrade`.
 """
@@ -201,25 +203,40 @@ def check_store_writable(url: str) -> None:
         engine.dispose()
 
 
-def refuse_a_store_not_at_head(process: str) -> None:
-    """At a worker's or beat's start (``process``, from workers/app.py): on a store with no
-    schema, or an older one than this leasekeeper's, exit at once (code 2) saying what to
-    run, instead of failing every task and sweep while it runs (``relation "runs" does not
-    exist``). A store that does not answer yet is no reason
-    to refuse (tasks retry until it does), nor one a newer leasekeeper migrated (during a
-    rolling upgrade the old workers still run on it): both are logged."""
-    from workers.settings import get_settings
-
+def store_fit_to_start(process: str, url: str, *, writes: bool) -> None:
+    """What a long-running process (``process``: worker, beat, metrics, console) checks of
+    its store ``url`` at start: its schema is at this leasekeeper's migration and, when it
+    ``writes``, that it takes writes. ConfigError ("leasekeeper <process> not started:
+    <what is wrong, the setting, the fix>") on a store it cannot use: no schema, an older
+    one, a read-only file or server, a user without UPDATE. A store that does not answer
+    yet is no reason to refuse (tasks retry until it does), nor one a newer leasekeeper
+    migrated (during a rolling upgrade the old workers still run on it): both are logged."""
     log = logging.getLogger("leasekeeper.preflight")
     try:
-        check_store(get_settings().effective_store_url)
+        try:
+            check_store(url)
+        except NewerStore as exc:
+            log.warning("%s (this %s starts anyway)", exc, process)
+        if writes:
+            check_store_writable(url)
     except StoreUnavailable as exc:
-        log.warning("%s; the %s starts anyway (its tasks retry until the store answers)",
+        log.warning("%s; the %s starts anyway (it retries until the store answers)",
                     exc, process)
-    except NewerStore as exc:
-        log.warning("%s (this %s starts anyway)", exc, process)
     except ConfigError as exc:
-        log.critical("leasekeeper %s not started: %s", process, exc)
+        raise ConfigError(f"leasekeeper {process} not started: {exc}") from None
+
+
+def refuse_a_store_unfit_to_start(process: str, *, writes: bool) -> None:
+    """At a worker's or beat's start (workers/app.py): on a store ``store_fit_to_start``
+    refuses, exit at once (code 2) saying what to do, instead of failing every task and
+    sweep while it runs (``relation "runs" does not exist``, ``attempt to write a readonly
+    database``)."""
+    from workers.settings import get_settings
+
+    try:
+        store_fit_to_start(process, get_settings().effective_store_url, writes=writes)
+    except ConfigError as exc:
+        logging.getLogger("leasekeeper.preflight").critical("%s", exc)
         sys.exit(2)
 
 

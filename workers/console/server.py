@@ -12,7 +12,7 @@ import uvicorn
 from providers.errors import ConfigError
 from workers.console.app import build_app
 from workers.console.auth import parse_basic_auth
-from workers.preflight import cannot_listen
+from workers.preflight import cannot_listen, store_fit_to_start
 from workers.runtime import open_store
 from workers.settings import Settings
 
@@ -22,6 +22,8 @@ def serve(settings: Settings, on_ready: Callable[[str], None] = print) -> None:
         raise ConfigError("LEASEKEEPER_FLOWER_BASIC_AUTH is not set: the console never runs "
                           "without basic auth; set it to user:password (the same as Flower's)")
     user, password = parse_basic_auth(settings.flower_basic_auth.get_secret_value())
+    # Its pages need the schema, and retry and forget write (ConfigError, exit 2).
+    store_fit_to_start("console", settings.effective_store_url, writes=True)
     store = open_store(settings)
     app = build_app(settings, store, user, password)
     try:

@@ -19,7 +19,7 @@ from redis import RedisError
 from models.observe import Observe
 from models.store import Store
 from workers.metrics.collector import LeaseCollector, Ping, Pinger
-from workers.preflight import cannot_listen
+from workers.preflight import cannot_listen, store_fit_to_start
 from workers.queues import Lane, lanes_served
 from workers.runtime import open_store
 from workers.settings import Settings
@@ -81,6 +81,9 @@ def build_registry(settings: Settings, store: Store,
 
 
 def serve(settings: Settings, on_ready: Callable[[str], None] = print) -> None:
+    # It only reads (a replica will do), but needs the schema: not at this leasekeeper's
+    # migration, every scrape would fail on SQL errors (ConfigError, exit 2).
+    store_fit_to_start("metrics", settings.effective_store_url, writes=False)
     store = open_store(settings)
     registry = build_registry(settings, store)
     try:
