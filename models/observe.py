@@ -225,7 +225,9 @@ class Observe:
             return int(s.scalar(select(func.max(_P.c.id))) or 0)
 
     # -- the console's pages --------------------------------------------------------------
-    def lease_page(self, flt: LeaseFilter, before: str | None, limit: int) -> Page[Lease]:
+    def lease_page(self, flt: LeaseFilter, before: str | None, limit: int,
+                   counted: bool = False) -> Page[Lease]:
         """Newest first, ``limit`` leases with ``lease_id < before``: the CLI's listing
-        (models/reports.py), uncounted (the console shows counts by state instead)."""
-        return lease_page(self.store, flt.query(), limit, before, counted=False)
+        (models/reports.py); uncounted unless ``counted`` (the leases page shows counts by
+        state instead; "needs attention" counts each state's, capped like the CLI's)."""
+        return lease_page(self.store, flt.query(), limit, before, counted=counted)

@@ -220,11 +220,14 @@ def build_app(settings: Settings, store: Store, user: str, password: str,
                       done=done_message(request.query_params))
 
     async def attention(request: Request) -> Response:
-        groups = {}
+        groups, more = {}, {}
         for state in ATTENTION_STATES:
-            groups[state] = (await run_in_threadpool(
-                observe.lease_page, LeaseFilter(state=state), None, page_size)).rows
-        return render(request, "attention.html", groups=groups, actions=ACTIONS)
+            page = await run_in_threadpool(observe.lease_page, LeaseFilter(state=state), None,
+                                           page_size, True)
+            groups[state] = page
+            if page.next_before:  # the rest, in the leases list's pages
+                more[state] = f"/leases?{urlencode({'state': state, 'before': page.next_before})}"
+        return render(request, "attention.html", groups=groups, more=more, actions=ACTIONS)
 
     async def allowed(lease_id: str, action: OperatorAction) -> Lease:
         row: Lease = await run_in_threadpool(store.get_lease, lease_id)
