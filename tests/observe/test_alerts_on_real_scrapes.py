@@ -146,11 +146,14 @@ def test_every_alert_reads_names_labels_and_values_the_exporter_serves(
 
 def test_with_the_store_unreadable_only_the_store_alert_speaks_for_the_sweeps(
         redis_server: RedisServer, tmp_path: Path) -> None:
-    """The real exporter on a store it cannot read still serves every sweep's interval but
-    no tick (it could not read them): MetricsStoreUnreadable fires; SweepNeverRan ("no
-    recorded tick at all") and SweepStalled must not, 40 minutes into the outage."""
-    with running_exporter(tmp_path / "exporter.log",
-                          LEASEKEEPER_STORE_URL=f"sqlite:///{tmp_path / 'unmigrated.db'}",
+    """The real exporter on a store it cannot read (a PostgreSQL server that is not there;
+    the exporter starts anyway, as on a store that does not answer yet) still serves every
+    sweep's interval but no tick (it could not read them): MetricsStoreUnreadable fires;
+    SweepNeverRan ("no recorded tick at all") and SweepStalled must not, 40 minutes into
+    the outage. (A store that answers without the schema is refused at start instead:
+    tests/e2e/test_observers_store_at_start.py.)"""
+    gone = f"postgresql+psycopg://leasekeeper@127.0.0.1:{free_port()}/leasekeeper"
+    with running_exporter(tmp_path / "exporter.log", LEASEKEEPER_STORE_URL=gone,
                           LEASEKEEPER_BROKER_URL=redis_server.url) as exp:
         series, _ = parse(scrape(exp.address))
     assert series[("leasekeeper_store_up", ())] == 0
