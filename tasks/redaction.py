@@ -139,8 +139,17 @@ def remember(values: Iterable[str]) -> None:
 
 
 # -- value-scan: secret_env mappings in free text ------------------------------------------
-# `'secret_env': `, `"secret_env": `, `\"secret_env\": ` (JSON in a string), `secret_env=`.
-_FIELD = re.compile(r"""secret_env\\?['"]?\s*[:=]\s*""")
+# A key that says "secret" in any case, as is_secret_field takes it, then `:` or `=`:
+# `'secret_env': `, `"secretEnv": `, `\"Secret-Env\": ` (JSON in a string), `SECRET_ENV=`.
+# A quoted key may hold spaces; a bare one is one word (so prose such as "secret marks:
+# ..." or a path such as "secret_env.TOKEN: ..." is not a key). (is_secret_field also
+# takes separators inside the word, "s-e-c-r-e-t": looking for those in every log line
+# would cost ~35x the plain search below, for a spelling no client sends.)
+_WORD = "secret"
+_FIELD = re.compile(
+    rf"""(?:\\*['"][^'"\\\n]{{0,64}}?{_WORD}[^'"\\\n]{{0,64}}?\\*['"]"""  # a quoted key
+    rf"""|(?<![\w-])[\w-]{{0,64}}?{_WORD}[\w-]{{0,64}}?)\s*[:=]\s*""",  # a bare key
+    re.IGNORECASE)
 # What the field-based redaction already wrote: `{'NAME': '***', ...}` (or JSON quotes).
 _Q = r"""\\?['"]"""
 _ALREADY = re.compile(rf"\{{(\s*{_Q}[A-Za-z0-9_]*{_Q}:\s*{_Q}\*\*\*{_Q},?)*\s*\}}|{_Q}\*\*\*{_Q}")
@@ -153,7 +162,7 @@ def scrub_text(text: str) -> str:
     of its line: reprs of reprs of JSON nest escapes too deeply to find where a value ends
     for sure, and a debug dump losing its tail is better than a secret shown.
     """
-    if "secret_env" in text:
+    if _WORD in text.lower():
         out: list[str] = []
         pos = 0
         for match in _FIELD.finditer(text):

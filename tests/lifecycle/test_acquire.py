@@ -186,6 +186,9 @@ def test_unknown_provider_is_refused_before_anything_is_written(rt: Runtime) -> 
     ("r", {"idle_timeout_s": 10**20}, r"idle_timeout_s: .*less than or equal to"),
     ("r", {"secret_env": {"bad-name": "12345"}}, r"secret_env is invalid: .*'bad-name'"),
     ("r", {"secret_env": "12345"}, r"secret_env is invalid: .*valid dictionary"),
+    # a misspelt secret field: its reason stays readable through the worker's scrubber
+    ("r", {"secretEnv": {"T": "12345"}}, r"secretEnv is invalid: Extra inputs are not"),
+    ("r", {"Secret-Env": "12345"}, r"Secret-Env is invalid: Extra inputs are not"),
     ("r", {"labels": {"leasekeeper.dev/lease-id": "x"}}, r"leasekeeper.dev/ prefix is"),
     ("r", {"labels": {"Example.com/team": "x"}}, r"not a valid Kubernetes label"),
     ("r", {"image": " busybox:1.36"}, r"image: .*whitespace"),

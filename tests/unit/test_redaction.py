@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 import uuid
+from typing import Any
 
 import pytest
 
@@ -110,3 +111,27 @@ def test_the_filter_redacts_and_bounds_message_data_and_traceback() -> None:
     assert CORE not in line and CORE not in json.dumps(record.data)
     assert "more characters cut" in record.getMessage()
     assert len(record.getMessage()) < 2 * LOG_MAX_CHARS
+
+
+@pytest.mark.parametrize("field", ["secretEnv", "Secret-Env", "SECRET_ENV", "Secret Env",
+                                   "my_secrets", "secret.env"])
+@pytest.mark.parametrize("dump", [json.dumps, repr, lambda s: json.dumps({"o": json.dumps(s)})],
+                         ids=["json", "repr", "json-in-json"])
+def test_a_misspelt_secret_field_is_withheld_in_free_text_too(field: str, dump: Any) -> None:
+    # a log line or an unknown task's body with the field as is_secret_field takes it; the
+    # value was never seen by this process (no value-scan), so only the field shows it
+    value = f"misspelt-{uuid.uuid4().hex}"
+    text = f"body: {dump({'run_id': 'r-1', 'spec': {field: {'TOKEN': value}}})} end"
+    assert value not in scrub_text(text) and field in scrub_text(text)
+    bare = field.replace(" ", "_").replace(".", "_")  # a bare key is one word: `a.b: ` is a path
+    assert value not in scrub_text(f"{bare}={value} and more")
+
+
+@pytest.mark.parametrize("line", [
+    "secret marks: could not read the marks of run r-1",
+    "secret_env.TOKEN: Input should be a valid string",
+    "spec: secret_env is invalid: invalid environment variable names: 'bad-name'",
+    'File "/app/tasks/secret_marks.py", line 29, in load',
+])
+def test_prose_that_names_a_secret_field_stays_readable(line: str) -> None:
+    assert scrub_text(line) == line
