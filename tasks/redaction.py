@@ -30,13 +30,13 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from celery.utils.saferepr import saferepr
 from celery.worker.consumer import Consumer
 from celery.worker.request import Request
 
-from providers.spec import REDACTED
+from providers.spec import MIN_SUBSTRING_SECRET_CHARS, REDACTED, hide_secret_values
 
 SECRET_FIELDS = frozenset({"secret_env"})  # the field a valid spec carries secrets in
 REPR_MAX_CHARS = 1024  # what Flower, events and logs show of a task's arguments
@@ -44,8 +44,9 @@ SMALL_BODY_BYTES = 16 * 1024  # a message body this small has its reprs built th
 LOG_MAX_CHARS = 4000  # one log message (its traceback is cut separately)
 TRACEBACK_MAX_CHARS = 16000
 # Secret values shorter than this are not searched for in free text (they would garble
-# every log line); they are still redacted wherever they appear under ``secret_env``.
-MIN_SCANNED_SECRET_CHARS = 6
+# every line); they are still redacted under ``secret_env`` and wherever a whole value of
+# the same payload equals them (providers/spec.py hide_secret_values).
+MIN_SCANNED_SECRET_CHARS = MIN_SUBSTRING_SECRET_CHARS
 _KNOWN_MAX = 1024
 
 
@@ -65,15 +66,30 @@ def is_secret_field(key: object) -> bool:
 
 
 def redact(value: Any) -> Any:
-    """A copy of task arguments with every secret value replaced by ``***``."""
+    """A copy of task arguments with every secret value replaced by ``***``: under a
+    secret field, and wherever else in ``value`` it is repeated (``hide_secret_values``)."""
+    return redact_collecting(value)[0]
+
+
+def redact_collecting(value: Any) -> tuple[Any, list[str]]:
+    """``redact(value)``, and the secret values it found (one walk when there are none)."""
+    found: list[str] = []
+    shown = _redact(value, found)
+    return (hide_secret_values(shown, found) if found else shown), found
+
+
+def _redact(value: Any, found: list[str]) -> Any:
     if isinstance(value, dict):
-        return {
-            k: (dict.fromkeys(map(str, v), REDACTED) if is_secret_field(k) and isinstance(v, dict)
-                else REDACTED if is_secret_field(k) else redact(v))
-            for k, v in value.items()
-        }
+        out: dict[Any, Any] = {}
+        for k, v in value.items():
+            if is_secret_field(k):
+                found.extend(_strings(v))
+                out[k] = dict.fromkeys(map(str, v), REDACTED) if isinstance(v, dict) else REDACTED
+            else:
+                out[k] = _redact(v, found)
+        return out
     if isinstance(value, list | tuple):
-        return [redact(v) for v in value]
+        return [_redact(v, found) for v in value]
     return value
 
 
@@ -104,16 +120,34 @@ def _strings(value: Any) -> Iterable[str]:
 
 
 def bounded_repr(value: Any, small: bool = True) -> str:
-    """The redacted repr, at most about REPR_MAX_CHARS long. For a ``small`` value (every
-    ordinary message) plain ``repr`` when that is short: ~15x cheaper than saferepr, and
-    this runs for every message in the producer and in the worker; else saferepr, which
-    cuts each long part without building the whole text."""
-    redacted = redact(value)
+    """The redacted repr, at most about REPR_MAX_CHARS long (``_bounded``)."""
+    return _bounded(redact(value), small)
+
+
+def _bounded(redacted: Any, small: bool = True) -> str:
+    """For a ``small`` value (every ordinary message) plain ``repr`` when that is short:
+    ~15x cheaper than saferepr, and this runs for every message in the producer and in
+    the worker; else saferepr, which cuts each long part without building the whole text."""
     if small:
         text = repr(redacted)
         if len(text) <= REPR_MAX_CHARS:
             return text
     return str(saferepr(redacted, maxlen=REPR_MAX_CHARS))
+
+
+class Shown(NamedTuple):  # a NamedTuple: built for every message, cheaper than a dataclass
+    """What events, logs and ``inspect`` may show of a task message's arguments."""
+
+    argsrepr: str
+    kwargsrepr: str
+    secrets: list[str]  # the secret values found in them (to remember)
+
+
+def shown_reprs(name: object, args: Any, kwargs: Any, small: bool = True) -> Shown:
+    """Bounded reprs of a message's arguments: secrets redacted (a secret in the kwargs
+    repeated in the args too: one payload)."""
+    (shown_args, shown_kwargs), found = redact_collecting([args, kwargs])
+    return Shown(_bounded(shown_args, small), _bounded(shown_kwargs, small), found)
 
 
 def bounded(text: str, limit: int = LOG_MAX_CHARS) -> str:
@@ -206,11 +240,11 @@ class RedactingRequest(Request):  # type: ignore[misc]
 
     def __init__(self, message: Any, **options: Any) -> None:
         super().__init__(message, **options)
-        remember(secret_values([self._args, self._kwargs]))
         # whoever sent it: a big body never has its whole repr built
         small = len(message.body or b"") <= SMALL_BODY_BYTES
-        self._argsrepr = bounded_repr(self._args, small)
-        self._kwargsrepr = bounded_repr(self._kwargs, small)
+        shown = shown_reprs(self.name, self._args, self._kwargs, small)
+        remember(shown.secrets)
+        self._argsrepr, self._kwargsrepr = shown.argsrepr, shown.kwargsrepr
         self._request_dict["argsrepr"] = self._argsrepr
         self._request_dict["kwargsrepr"] = self._kwargsrepr
 
@@ -231,15 +265,21 @@ def redact_sent_messages(app: Any) -> None:
     def create_redacted(task_id: Any, name: Any, args: Any = None, kwargs: Any = None,
                         *more: Any, argsrepr: str | None = None,
                         kwargsrepr: str | None = None, **options: Any) -> Any:
-        argsrepr = (bounded_repr(list(args or ())) if argsrepr is None
-                    else bounded(scrub_text(argsrepr), REPR_MAX_CHARS))
-        kwargsrepr = (bounded_repr(dict(kwargs or {})) if kwargsrepr is None
-                      else bounded(scrub_text(kwargsrepr), REPR_MAX_CHARS))
+        if argsrepr is None or kwargsrepr is None:
+            shown = shown_reprs(name, list(args or ()), dict(kwargs or {}))
+            argsrepr = shown.argsrepr if argsrepr is None else _scrubbed(argsrepr)
+            kwargsrepr = shown.kwargsrepr if kwargsrepr is None else _scrubbed(kwargsrepr)
+        else:
+            argsrepr, kwargsrepr = _scrubbed(argsrepr), _scrubbed(kwargsrepr)
         return create(task_id, name, args, kwargs, *more, argsrepr=argsrepr,
                       kwargsrepr=kwargsrepr, **options)
 
     create_redacted.redacting = True  # type: ignore[attr-defined]
     amqp.create_task_message = create_redacted
+
+
+def _scrubbed(own_repr: str) -> str:
+    return bounded(scrub_text(own_repr), REPR_MAX_CHARS)
 
 
 @contextlib.contextmanager
@@ -250,7 +290,8 @@ def _redacted_message(message: Any) -> Iterator[None]:
     try:
         args, kwargs, embed = message.decode()
         message.body = json.dumps(redact([args, kwargs, embed])).encode()
-        reprs = {"argsrepr": bounded_repr(args), "kwargsrepr": bounded_repr(kwargs)}
+        built = shown_reprs(None, args, kwargs)
+        reprs = {"argsrepr": built.argsrepr, "kwargsrepr": built.kwargsrepr}
     except Exception:  # not the JSON task protocol: say only how big it was
         message.body = f"<{len(body or b'')} bytes, not shown>".encode()
         reprs = {"argsrepr": "?", "kwargsrepr": "?"}

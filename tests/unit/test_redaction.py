@@ -135,3 +135,18 @@ def test_a_misspelt_secret_field_is_withheld_in_free_text_too(field: str, dump: 
 ])
 def test_prose_that_names_a_secret_field_stays_readable(line: str) -> None:
     assert scrub_text(line) == line
+
+
+def test_a_secret_repeated_elsewhere_in_the_payload_is_redacted_there_too() -> None:
+    long, short = f"long-{uuid.uuid4().hex}", "42"
+    payload = {"run_id": "r-1", "spec": {
+        "secret_env": {"TOKEN": long, "PIN": short},
+        "env": {"COPY": long, "PIN_COPY": short, "ANSWER": "42 is the answer", long: "key"},
+        "command": ["curl", f"-HBearer {long}"], "labels": {"team": "a"}}}
+    shown = redact(payload)
+    assert shown["spec"]["env"] == {"COPY": "***", "PIN_COPY": "***",
+                                    "ANSWER": "42 is the answer", "***": "key"}
+    assert shown["spec"]["command"] == ["curl", "-HBearer ***"]
+    assert shown["spec"]["secret_env"] == {"TOKEN": "***", "PIN": "***"}
+    assert long not in bounded_repr(payload) and "'PIN_COPY': '***'" in bounded_repr(payload)
+    assert redact({"env": {"X": "42"}}) == {"env": {"X": "42"}}  # no secret in this payload
