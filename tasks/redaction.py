@@ -47,6 +47,11 @@ TRACEBACK_MAX_CHARS = 16000
 # every line); they are still redacted under ``secret_env`` and wherever a whole value of
 # the same payload equals them (providers/spec.py hide_secret_values).
 MIN_SCANNED_SECRET_CHARS = MIN_SUBSTRING_SECRET_CHARS
+# Free-text fields of a task never shown in a repr, only their length: run.finish's error
+# quotes whatever the run printed, secrets of a run this process never saw included (the
+# stored error is scrubbed by the secret marks, tasks/secret_marks.py, which a repr built
+# in the worker's main process must not wait for). Field name -> position when positional.
+HIDDEN_FIELDS: dict[str, dict[str, int]] = {"run.finish": {"error": 3}}
 _KNOWN_MAX = 1024
 
 
@@ -135,6 +140,27 @@ def _bounded(redacted: Any, small: bool = True) -> str:
     return str(saferepr(redacted, maxlen=REPR_MAX_CHARS))
 
 
+def _placeholder(field: str, value: object) -> str:
+    return (f"<{field}: {len(value)} chars>" if isinstance(value, str)
+            else f"<{field}: {type(value).__name__}>")
+
+
+def hide_fields(name: object, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """``args`` and ``kwargs`` of task ``name`` with its HIDDEN_FIELDS as placeholders
+    (``'<error: 212 chars>'``); unchanged (the same objects) for every other task."""
+    hidden = HIDDEN_FIELDS.get(name) if isinstance(name, str) else None
+    if not hidden:
+        return args, kwargs
+    if isinstance(args, list | tuple):
+        at = {position: field for field, position in hidden.items()}
+        args = [_placeholder(at[i], a) if i in at and a is not None else a
+                for i, a in enumerate(args)]
+    if isinstance(kwargs, dict):
+        kwargs = {k: _placeholder(k, v) if k in hidden and v is not None else v
+                  for k, v in kwargs.items()}
+    return args, kwargs
+
+
 class Shown(NamedTuple):  # a NamedTuple: built for every message, cheaper than a dataclass
     """What events, logs and ``inspect`` may show of a task message's arguments."""
 
@@ -144,8 +170,9 @@ class Shown(NamedTuple):  # a NamedTuple: built for every message, cheaper than 
 
 
 def shown_reprs(name: object, args: Any, kwargs: Any, small: bool = True) -> Shown:
-    """Bounded reprs of a message's arguments: secrets redacted (a secret in the kwargs
-    repeated in the args too: one payload)."""
+    """Bounded reprs of a message's arguments: hidden fields as placeholders, secrets
+    redacted (a secret in the kwargs repeated in the args too: one payload)."""
+    args, kwargs = hide_fields(name, args, kwargs)
     (shown_args, shown_kwargs), found = redact_collecting([args, kwargs])
     return Shown(_bounded(shown_args, small), _bounded(shown_kwargs, small), found)
 
@@ -265,6 +292,8 @@ def redact_sent_messages(app: Any) -> None:
     def create_redacted(task_id: Any, name: Any, args: Any = None, kwargs: Any = None,
                         *more: Any, argsrepr: str | None = None,
                         kwargsrepr: str | None = None, **options: Any) -> Any:
+        if name in HIDDEN_FIELDS:  # the sender's own reprs may show those: never used
+            argsrepr = kwargsrepr = None
         if argsrepr is None or kwargsrepr is None:
             shown = shown_reprs(name, list(args or ()), dict(kwargs or {}))
             argsrepr = shown.argsrepr if argsrepr is None else _scrubbed(argsrepr)
@@ -289,6 +318,7 @@ def _redacted_message(message: Any) -> Iterator[None]:
     # A reporting path must never fail, whatever the message holds: broad excepts here.
     try:
         args, kwargs, embed = message.decode()
+        args, kwargs = hide_fields((headers or {}).get("task"), args, kwargs)
         message.body = json.dumps(redact([args, kwargs, embed])).encode()
         built = shown_reprs(None, args, kwargs)
         reprs = {"argsrepr": built.argsrepr, "kwargsrepr": built.kwargsrepr}

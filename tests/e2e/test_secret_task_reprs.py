@@ -2,6 +2,10 @@
 arguments, through real workers on real Redis and SQLite, watched by an event receiver
 as Flower is:
 
+- ``run.finish``'s error, which may quote any secret of the run, is never shown: only its
+  length (the stored error is scrubbed by the secret marks and stays readable), on a
+  worker that never saw the run's acquire, however the finish is sent (the producer API,
+  or by name from a client with only ``celery``, which sends the full repr);
 - a ``secret_env`` value repeated elsewhere in an acquire's payload (an ``env`` value, a
   command argument) shows nowhere: events, log, the stored lease spec.
 """
@@ -19,7 +23,7 @@ import pytest
 from celery import Celery
 
 from tests.e2e.conftest import eventually
-from tests.e2e.test_secret_marks import all_acked
+from tests.e2e.test_secret_marks import acquire, all_acked
 from tests.services import RedisServer
 from tests.stack import WorkerStack, sending_to
 from workers.app import app
@@ -89,6 +93,54 @@ def plain_client(broker_url: str, queue: str) -> Celery:
     client = Celery(broker=broker_url, backend=broker_url)
     client.conf.task_default_queue = queue
     return client
+
+
+def scheduled_with(task_id: str) -> str | None:
+    """``celery inspect scheduled`` as JSON, once it lists ``task_id``."""
+    answer = json.dumps(app.control.inspect(timeout=2).scheduled())
+    return answer if task_id in answer else None
+
+
+def test_a_finish_error_shows_only_its_length_on_a_worker_that_never_saw_the_secret(
+        stack: WorkerStack, events: EventLog, redis_server: RedisServer) -> None:
+    from tasks.producer import finish_run
+
+    rt = stack.runtime()
+    first = stack.start_worker(concurrency=1)
+    events.listening()
+    run_a, run_b = f"run-a-{uuid.uuid4().hex[:8]}", f"run-b-{uuid.uuid4().hex[:8]}"
+    acquire(run_a, secret_env={"API_TOKEN": SECRET})
+    acquire(run_b, secret_env={"API_TOKEN": SECRET})
+    all_acked(stack, redis_server)
+    stack.kill_worker(first)  # the only process that saw the secret
+    stack.start_worker(concurrency=1)
+    error = f"401 from api: Authorization: Bearer {SECRET} refused"
+
+    by_producer = finish_run(run_a, "failed", 1, error)  # the producer API
+    by_producer.get(90)
+    client = plain_client(redis_server.url, stack.name)
+    by_name_raw = client.send_task("run.finish", kwargs={
+        "run_id": run_b, "status": "failed", "exit_code": 1, "error": error})
+    by_name_raw.get(90)
+    # one waiting for its countdown, as `celery inspect scheduled` (and Flower) see it
+    waiting = client.send_task("run.finish", countdown=3600, kwargs={
+        "run_id": run_b, "status": "failed", "exit_code": 1, "error": error})
+    scheduled = eventually(lambda: scheduled_with(waiting.id), 60,
+                           "the finish waiting for its countdown")
+    app.control.revoke(waiting.id)
+
+    shown = f"'error': '<error: {len(error)} chars>'"
+    assert shown in events.of(by_producer.id, "task-sent")["kwargs"]
+    for task_id in (by_producer.id, by_name_raw.id, waiting.id):
+        assert shown in events.of(task_id, "task-received")["kwargs"]
+    assert shown in scheduled and CORE not in scheduled
+    assert not [e for e in events.events if CORE in json.dumps(e)]
+    log = stack.logfile.read_text(errors="replace")
+    assert f"Task run.finish[{by_name_raw.id}] received" in log and CORE not in log
+    for run_id in (run_a, run_b):  # the operator still reads the error, scrubbed
+        stored = rt.store.get_run(run_id)
+        assert stored is not None
+        assert stored.error == "401 from api: Authorization: Bearer *** refused"
 
 
 def test_a_secret_repeated_elsewhere_in_an_acquire_shows_nowhere(

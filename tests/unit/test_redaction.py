@@ -21,6 +21,7 @@ from tasks.redaction import (
     scrub_exception,
     scrub_text,
     secret_values,
+    shown_reprs,
 )
 
 CORE = uuid.uuid4().hex
@@ -150,3 +151,34 @@ def test_a_secret_repeated_elsewhere_in_the_payload_is_redacted_there_too() -> N
     assert shown["spec"]["secret_env"] == {"TOKEN": "***", "PIN": "***"}
     assert long not in bounded_repr(payload) and "'PIN_COPY': '***'" in bounded_repr(payload)
     assert redact({"env": {"X": "42"}}) == {"env": {"X": "42"}}  # no secret in this payload
+
+
+def test_a_finish_error_shows_only_its_length_however_it_is_passed() -> None:
+    error = f"token {uuid.uuid4().hex} refused"
+    by_kw = shown_reprs("run.finish", [], {"run_id": "r-1", "status": "failed",
+                                           "error": error})
+    assert by_kw.kwargsrepr == ("{'run_id': 'r-1', 'status': 'failed', "
+                                f"'error': '<error: {len(error)} chars>'}}")
+    by_position = shown_reprs("run.finish", ["r-1", "failed", 1, error], {})
+    assert by_position.argsrepr == f"['r-1', 'failed', 1, '<error: {len(error)} chars>']"
+    assert "<error: dict>" in shown_reprs("run.finish", [], {"error": {"a": error}}).kwargsrepr
+    assert "'error': None" in shown_reprs("run.finish", [], {"error": None}).kwargsrepr
+    other = shown_reprs("lease.destroy", [], {"lease_id": "l-1", "error": error})
+    assert error in other.kwargsrepr  # only the fields named in HIDDEN_FIELDS
+
+
+def test_an_invalid_finish_message_is_reported_without_its_error() -> None:
+    # what the worker's consumer logs of a message it cannot run: body and headers
+    from kombu import Message
+
+    from tasks.redaction import _redacted_message
+
+    error = f"token {uuid.uuid4().hex} refused"
+    kwargs = {"run_id": "r-1", "status": "failed", "error": error}
+    message = Message(body=json.dumps([["r-1", "failed", 1, error], kwargs, {}]).encode(),
+                      headers={"task": "run.finish", "kwargsrepr": repr(kwargs)},
+                      content_type="application/json", content_encoding="utf-8")
+    with _redacted_message(message):
+        shown = f"{message.body!r} {message.headers!r}"
+        assert error not in shown and f"<error: {len(error)} chars>" in shown
+    assert error in message.body.decode()  # the message itself is left as it came
