@@ -172,8 +172,12 @@ class Shown(NamedTuple):  # a NamedTuple: built for every message, cheaper than 
 def shown_reprs(name: object, args: Any, kwargs: Any, small: bool = True) -> Shown:
     """Bounded reprs of a message's arguments: hidden fields as placeholders, secrets
     redacted (a secret in the kwargs repeated in the args too: one payload)."""
-    args, kwargs = hide_fields(name, args, kwargs)
-    (shown_args, shown_kwargs), found = redact_collecting([args, kwargs])
+    if name in HIDDEN_FIELDS:
+        args, kwargs = hide_fields(name, args, kwargs)
+    found: list[str] = []
+    shown_args, shown_kwargs = _redact(args, found), _redact(kwargs, found)
+    if found:  # a secret repeated anywhere in the message: hidden there too
+        shown_args, shown_kwargs = hide_secret_values([shown_args, shown_kwargs], found)
     return Shown(_bounded(shown_args, small), _bounded(shown_kwargs, small), found)
 
 
