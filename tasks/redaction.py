@@ -6,7 +6,9 @@ task events (Flower), ``celery inspect`` answers and log lines. So the worker re
 
 - ``RedactingRequest`` (every leasekeeper task's ``Request`` class) replaces the client's
   reprs with bounded reprs of the arguments with every ``secret_env`` value as ``***``
-  (by field), before the task-received event, the logs or ``inspect`` see them;
+  (by field, and wherever else the message repeats it), and a ``HIDDEN_FIELDS`` field
+  (``run.finish``'s error) as its length, before the task-received event, the logs or
+  ``inspect`` see them;
 - ``RedactingConsumer`` (the worker's consumer) hands Celery a redacted copy of a message
   whose task name is unknown (or that is invalid or undecodable), so the body and headers
   Celery logs about it are redacted by field, and the name it echoes is cut short;
