@@ -10,6 +10,7 @@ and every size is bounded (below), so nothing too big for a process's argv and e
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
 from decimal import Decimal
 from typing import Annotated, Any
 
@@ -39,6 +40,10 @@ LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
 TENANT = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?")
 POOL_NAME = TENANT  # a DNS label of at most 40 characters (it becomes a label value)
 REDACTED = "***"
+# A secret value at least this long is hidden wherever it appears inside other text; a
+# shorter one only where a whole value equals it (searching text for "42" would garble
+# every line, and hide nothing a reader could not guess anyway).
+MIN_SUBSTRING_SECRET_CHARS = 6
 ECHO_MAX_CHARS = 40  # how much of a refused value an error message may quote
 
 # Bounds of a spec (Linux caps one argv/env string at 128 KiB and all of them at ~2 MiB;
@@ -60,6 +65,39 @@ def echo(value: object) -> str:
     if len(text) <= ECHO_MAX_CHARS:
         return text
     return f"{text[:ECHO_MAX_CHARS]}... ({len(text)} chars)"
+
+
+def holds_secret(text: str, secrets: Collection[str]) -> bool:
+    """Whether ``text`` is a secret value, or holds one long enough to be searched for."""
+    return text in secrets or any(len(s) >= MIN_SUBSTRING_SECRET_CHARS and s in text
+                                  for s in secrets)
+
+
+def hide_secret_values(value: Any, secrets: Collection[str]) -> Any:
+    """A copy of ``value`` (JSON-like: dicts, lists, strings) where every string (key or
+    value) equal to one of ``secrets`` is ``***``, and every secret of at least
+    MIN_SUBSTRING_SECRET_CHARS inside a string is replaced by ``***`` (the longest first)."""
+    whole = frozenset(secrets) - {""}
+    if not whole:
+        return value
+    inner = sorted((s for s in whole if len(s) >= MIN_SUBSTRING_SECRET_CHARS), key=len,
+                   reverse=True)
+    return _hide(value, whole, inner)
+
+
+def _hide(value: Any, whole: frozenset[str], inner: list[str]) -> Any:
+    if isinstance(value, str):
+        if value in whole:
+            return REDACTED
+        for secret in inner:
+            if secret in value:
+                value = value.replace(secret, REDACTED)
+        return value
+    if isinstance(value, dict):
+        return {_hide(k, whole, inner): _hide(v, whole, inner) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):  # a tuple of types: cheaper than a union
+        return [_hide(v, whole, inner) for v in value]
+    return value
 
 
 def check_id(kind: str, value: object) -> str:
@@ -250,6 +288,28 @@ class SandboxSpec(BaseModel):
         return self
 
     @model_validator(mode="after")
+    def _no_secret_in_names(self) -> SandboxSpec:
+        # Labels and ids are sent in clear (Kubernetes labels, resource names, the store's
+        # columns, task results): a secret there is a mistake. Named by key, never value.
+        if not self.secret_env:
+            return self
+        secrets = frozenset(v.get_secret_value() for v in self.secret_env.values()) - {""}
+        if any(holds_secret(k, secrets) for k in self.labels):
+            raise ValueError("a label key holds a secret_env value; labels are sent to "
+                             "Kubernetes in clear: pass the secret in secret_env only")
+        bad = [k for k, v in self.labels.items() if holds_secret(v, secrets)]
+        if bad:
+            raise ValueError(f"label {', '.join(map(echo, bad[:5]))}: the value holds a "
+                             "secret_env value; labels are sent to Kubernetes in clear: "
+                             "pass the secret in secret_env only")
+        ids = [f for f in ("tenant", "thread_id", "sandbox_key", "pool")
+               if (v := getattr(self, f)) is not None and holds_secret(v, secrets)]
+        if ids:
+            raise ValueError(f"{', '.join(ids)} holds a secret_env value; it is stored and "
+                             "shown in clear: use another id")
+        return self
+
+    @model_validator(mode="after")
     def _reuse_needs_a_key(self) -> SandboxSpec:
         # Without either, the reuse key would be the tenant's alone: every reusing run of
         # the tenant would share one sandbox, holding the first run's env and secrets.
@@ -274,13 +334,16 @@ class SandboxSpec(BaseModel):
         return {k: v.get_secret_value() for k, v in self.secret_env.items()}
 
     def redacted(self) -> dict[str, Any]:
-        """A JSON-safe copy where every secret value is replaced by ``***``."""
+        """A JSON-safe copy where every secret value is replaced by ``***``, wherever else
+        in the spec it is repeated too (``hide_secret_values``: an ``env`` value, a command
+        argument)."""
         if self is DEFAULT_SPEC:  # most acquires: its dump, without pydantic's walk
             return {"tenant": DEFAULT_TENANT, "reuse": False, "env": {}, "secret_env": {},
                     "labels": {}}
         data = self.model_dump(mode="json", exclude_none=True)
         if self.secret_env:
             data["secret_env"] = dict.fromkeys(self.secret_env, REDACTED)
+            data = hide_secret_values(data, self.secret_values().values())
         return data
 
     def to_payload(self) -> dict[str, Any]:

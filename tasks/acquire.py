@@ -62,7 +62,7 @@ from tasks import pool_claim, secret_marks
 from tasks.base import LeaseTask
 from tasks.destroy import destroy_lease
 from tasks.leases import handle, later, new_lease_id, sandbox_key
-from tasks.redaction import scrub_text
+from tasks.redaction import is_secret_field, scrub_text
 from tasks.runs import clean_error
 from tasks.same_spec import require_same_spec
 from workers.app import app
@@ -430,9 +430,12 @@ def _safe(exc: ValueError) -> str:
 
 
 def _problem(where: str, what: str) -> str:
-    # Not "secret_env: ...": the worker's scrubber takes that for a dumped mapping and
-    # withholds the rest of the line (tasks/redaction.py), which would hide the reason.
-    return f"{where} is invalid: {what}" if where.endswith("secret_env") else f"{where}: {what}"
+    # Not "secret_env: ..." (or "secretEnv: ..."): the worker's scrubber takes that for a
+    # dumped mapping and withholds the rest of the line (tasks/redaction.py), which would
+    # hide the reason.
+    if is_secret_field(where.rpartition(".")[2]):
+        return f"{where} is invalid: {what}"
+    return f"{where}: {what}"
 
 
 @app.task(bind=True, base=LeaseTask, name="lease.acquire")

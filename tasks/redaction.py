@@ -6,7 +6,9 @@ task events (Flower), ``celery inspect`` answers and log lines. So the worker re
 
 - ``RedactingRequest`` (every leasekeeper task's ``Request`` class) replaces the client's
   reprs with bounded reprs of the arguments with every ``secret_env`` value as ``***``
-  (by field), before the task-received event, the logs or ``inspect`` see them;
+  (by field, and wherever else the message repeats it), and a ``HIDDEN_FIELDS`` field
+  (``run.finish``'s error) as its length, before the task-received event, the logs or
+  ``inspect`` see them;
 - ``RedactingConsumer`` (the worker's consumer) hands Celery a redacted copy of a message
   whose task name is unknown (or that is invalid or undecodable), so the body and headers
   Celery logs about it are redacted by field, and the name it echoes is cut short;
@@ -30,13 +32,13 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 from celery.utils.saferepr import saferepr
 from celery.worker.consumer import Consumer
 from celery.worker.request import Request
 
-from providers.spec import REDACTED
+from providers.spec import MIN_SUBSTRING_SECRET_CHARS, REDACTED, hide_secret_values
 
 SECRET_FIELDS = frozenset({"secret_env"})  # the field a valid spec carries secrets in
 REPR_MAX_CHARS = 1024  # what Flower, events and logs show of a task's arguments
@@ -44,8 +46,14 @@ SMALL_BODY_BYTES = 16 * 1024  # a message body this small has its reprs built th
 LOG_MAX_CHARS = 4000  # one log message (its traceback is cut separately)
 TRACEBACK_MAX_CHARS = 16000
 # Secret values shorter than this are not searched for in free text (they would garble
-# every log line); they are still redacted wherever they appear under ``secret_env``.
-MIN_SCANNED_SECRET_CHARS = 6
+# every line); they are still redacted under ``secret_env`` and wherever a whole value of
+# the same payload equals them (providers/spec.py hide_secret_values).
+MIN_SCANNED_SECRET_CHARS = MIN_SUBSTRING_SECRET_CHARS
+# Free-text fields of a task never shown in a repr, only their length: run.finish's error
+# quotes whatever the run printed, secrets of a run this process never saw included (the
+# stored error is scrubbed by the secret marks, tasks/secret_marks.py, which a repr built
+# in the worker's main process must not wait for). Field name -> position when positional.
+HIDDEN_FIELDS: dict[str, dict[str, int]] = {"run.finish": {"error": 3}}
 _KNOWN_MAX = 1024
 
 
@@ -65,15 +73,30 @@ def is_secret_field(key: object) -> bool:
 
 
 def redact(value: Any) -> Any:
-    """A copy of task arguments with every secret value replaced by ``***``."""
+    """A copy of task arguments with every secret value replaced by ``***``: under a
+    secret field, and wherever else in ``value`` it is repeated (``hide_secret_values``)."""
+    return redact_collecting(value)[0]
+
+
+def redact_collecting(value: Any) -> tuple[Any, list[str]]:
+    """``redact(value)``, and the secret values it found (one walk when there are none)."""
+    found: list[str] = []
+    shown = _redact(value, found)
+    return (hide_secret_values(shown, found) if found else shown), found
+
+
+def _redact(value: Any, found: list[str]) -> Any:
     if isinstance(value, dict):
-        return {
-            k: (dict.fromkeys(map(str, v), REDACTED) if is_secret_field(k) and isinstance(v, dict)
-                else REDACTED if is_secret_field(k) else redact(v))
-            for k, v in value.items()
-        }
+        out: dict[Any, Any] = {}
+        for k, v in value.items():
+            if is_secret_field(k):
+                found.extend(_strings(v))
+                out[k] = dict.fromkeys(map(str, v), REDACTED) if isinstance(v, dict) else REDACTED
+            else:
+                out[k] = _redact(v, found)
+        return out
     if isinstance(value, list | tuple):
-        return [redact(v) for v in value]
+        return [_redact(v, found) for v in value]
     return value
 
 
@@ -104,16 +127,60 @@ def _strings(value: Any) -> Iterable[str]:
 
 
 def bounded_repr(value: Any, small: bool = True) -> str:
-    """The redacted repr, at most about REPR_MAX_CHARS long. For a ``small`` value (every
-    ordinary message) plain ``repr`` when that is short: ~15x cheaper than saferepr, and
-    this runs for every message in the producer and in the worker; else saferepr, which
-    cuts each long part without building the whole text."""
-    redacted = redact(value)
+    """The redacted repr, at most about REPR_MAX_CHARS long (``_bounded``)."""
+    return _bounded(redact(value), small)
+
+
+def _bounded(redacted: Any, small: bool = True) -> str:
+    """For a ``small`` value (every ordinary message) plain ``repr`` when that is short:
+    ~15x cheaper than saferepr, and this runs for every message in the producer and in
+    the worker; else saferepr, which cuts each long part without building the whole text."""
     if small:
         text = repr(redacted)
         if len(text) <= REPR_MAX_CHARS:
             return text
     return str(saferepr(redacted, maxlen=REPR_MAX_CHARS))
+
+
+def _placeholder(field: str, value: object) -> str:
+    return (f"<{field}: {len(value)} chars>" if isinstance(value, str)
+            else f"<{field}: {type(value).__name__}>")
+
+
+def hide_fields(name: object, args: Any, kwargs: Any) -> tuple[Any, Any]:
+    """``args`` and ``kwargs`` of task ``name`` with its HIDDEN_FIELDS as placeholders
+    (``'<error: 212 chars>'``); unchanged (the same objects) for every other task."""
+    hidden = HIDDEN_FIELDS.get(name) if isinstance(name, str) else None
+    if not hidden:
+        return args, kwargs
+    if isinstance(args, list | tuple):
+        at = {position: field for field, position in hidden.items()}
+        args = [_placeholder(at[i], a) if i in at and a is not None else a
+                for i, a in enumerate(args)]
+    if isinstance(kwargs, dict):
+        kwargs = {k: _placeholder(k, v) if k in hidden and v is not None else v
+                  for k, v in kwargs.items()}
+    return args, kwargs
+
+
+class Shown(NamedTuple):  # a NamedTuple: built for every message, cheaper than a dataclass
+    """What events, logs and ``inspect`` may show of a task message's arguments."""
+
+    argsrepr: str
+    kwargsrepr: str
+    secrets: list[str]  # the secret values found in them (to remember)
+
+
+def shown_reprs(name: object, args: Any, kwargs: Any, small: bool = True) -> Shown:
+    """Bounded reprs of a message's arguments: hidden fields as placeholders, secrets
+    redacted (a secret in the kwargs repeated in the args too: one payload)."""
+    if name in HIDDEN_FIELDS:
+        args, kwargs = hide_fields(name, args, kwargs)
+    found: list[str] = []
+    shown_args, shown_kwargs = _redact(args, found), _redact(kwargs, found)
+    if found:  # a secret repeated anywhere in the message: hidden there too
+        shown_args, shown_kwargs = hide_secret_values([shown_args, shown_kwargs], found)
+    return Shown(_bounded(shown_args, small), _bounded(shown_kwargs, small), found)
 
 
 def bounded(text: str, limit: int = LOG_MAX_CHARS) -> str:
@@ -139,8 +206,17 @@ def remember(values: Iterable[str]) -> None:
 
 
 # -- value-scan: secret_env mappings in free text ------------------------------------------
-# `'secret_env': `, `"secret_env": `, `\"secret_env\": ` (JSON in a string), `secret_env=`.
-_FIELD = re.compile(r"""secret_env\\?['"]?\s*[:=]\s*""")
+# A key that says "secret" in any case, as is_secret_field takes it, then `:` or `=`:
+# `'secret_env': `, `"secretEnv": `, `\"Secret-Env\": ` (JSON in a string), `SECRET_ENV=`.
+# A quoted key may hold spaces; a bare one is one word (so prose such as "secret marks:
+# ..." or a path such as "secret_env.TOKEN: ..." is not a key). (is_secret_field also
+# takes separators inside the word, "s-e-c-r-e-t": looking for those in every log line
+# would cost ~35x the plain search below, for a spelling no client sends.)
+_WORD = "secret"
+_FIELD = re.compile(
+    rf"""(?:\\*['"][^'"\\\n]{{0,64}}?{_WORD}[^'"\\\n]{{0,64}}?\\*['"]"""  # a quoted key
+    rf"""|(?<![\w-])[\w-]{{0,64}}?{_WORD}[\w-]{{0,64}}?)\s*[:=]\s*""",  # a bare key
+    re.IGNORECASE)
 # What the field-based redaction already wrote: `{'NAME': '***', ...}` (or JSON quotes).
 _Q = r"""\\?['"]"""
 _ALREADY = re.compile(rf"\{{(\s*{_Q}[A-Za-z0-9_]*{_Q}:\s*{_Q}\*\*\*{_Q},?)*\s*\}}|{_Q}\*\*\*{_Q}")
@@ -153,7 +229,7 @@ def scrub_text(text: str) -> str:
     of its line: reprs of reprs of JSON nest escapes too deeply to find where a value ends
     for sure, and a debug dump losing its tail is better than a secret shown.
     """
-    if "secret_env" in text:
+    if _WORD in text.lower():
         out: list[str] = []
         pos = 0
         for match in _FIELD.finditer(text):
@@ -197,11 +273,11 @@ class RedactingRequest(Request):  # type: ignore[misc]
 
     def __init__(self, message: Any, **options: Any) -> None:
         super().__init__(message, **options)
-        remember(secret_values([self._args, self._kwargs]))
         # whoever sent it: a big body never has its whole repr built
         small = len(message.body or b"") <= SMALL_BODY_BYTES
-        self._argsrepr = bounded_repr(self._args, small)
-        self._kwargsrepr = bounded_repr(self._kwargs, small)
+        shown = shown_reprs(self.name, self._args, self._kwargs, small)
+        remember(shown.secrets)
+        self._argsrepr, self._kwargsrepr = shown.argsrepr, shown.kwargsrepr
         self._request_dict["argsrepr"] = self._argsrepr
         self._request_dict["kwargsrepr"] = self._kwargsrepr
 
@@ -222,15 +298,23 @@ def redact_sent_messages(app: Any) -> None:
     def create_redacted(task_id: Any, name: Any, args: Any = None, kwargs: Any = None,
                         *more: Any, argsrepr: str | None = None,
                         kwargsrepr: str | None = None, **options: Any) -> Any:
-        argsrepr = (bounded_repr(list(args or ())) if argsrepr is None
-                    else bounded(scrub_text(argsrepr), REPR_MAX_CHARS))
-        kwargsrepr = (bounded_repr(dict(kwargs or {})) if kwargsrepr is None
-                      else bounded(scrub_text(kwargsrepr), REPR_MAX_CHARS))
+        if name in HIDDEN_FIELDS:  # the sender's own reprs may show those: never used
+            argsrepr = kwargsrepr = None
+        if argsrepr is None or kwargsrepr is None:
+            shown = shown_reprs(name, list(args or ()), dict(kwargs or {}))
+            argsrepr = shown.argsrepr if argsrepr is None else _scrubbed(argsrepr)
+            kwargsrepr = shown.kwargsrepr if kwargsrepr is None else _scrubbed(kwargsrepr)
+        else:
+            argsrepr, kwargsrepr = _scrubbed(argsrepr), _scrubbed(kwargsrepr)
         return create(task_id, name, args, kwargs, *more, argsrepr=argsrepr,
                       kwargsrepr=kwargsrepr, **options)
 
     create_redacted.redacting = True  # type: ignore[attr-defined]
     amqp.create_task_message = create_redacted
+
+
+def _scrubbed(own_repr: str) -> str:
+    return bounded(scrub_text(own_repr), REPR_MAX_CHARS)
 
 
 @contextlib.contextmanager
@@ -240,8 +324,10 @@ def _redacted_message(message: Any) -> Iterator[None]:
     # A reporting path must never fail, whatever the message holds: broad excepts here.
     try:
         args, kwargs, embed = message.decode()
+        args, kwargs = hide_fields((headers or {}).get("task"), args, kwargs)
         message.body = json.dumps(redact([args, kwargs, embed])).encode()
-        reprs = {"argsrepr": bounded_repr(args), "kwargsrepr": bounded_repr(kwargs)}
+        built = shown_reprs(None, args, kwargs)
+        reprs = {"argsrepr": built.argsrepr, "kwargsrepr": built.kwargsrepr}
     except Exception:  # not the JSON task protocol: say only how big it was
         message.body = f"<{len(body or b'')} bytes, not shown>".encode()
         reprs = {"argsrepr": "?", "kwargsrepr": "?"}

@@ -186,6 +186,9 @@ def test_unknown_provider_is_refused_before_anything_is_written(rt: Runtime) -> 
     ("r", {"idle_timeout_s": 10**20}, r"idle_timeout_s: .*less than or equal to"),
     ("r", {"secret_env": {"bad-name": "12345"}}, r"secret_env is invalid: .*'bad-name'"),
     ("r", {"secret_env": "12345"}, r"secret_env is invalid: .*valid dictionary"),
+    # a misspelt secret field: its reason stays readable through the worker's scrubber
+    ("r", {"secretEnv": {"T": "12345"}}, r"secretEnv is invalid: Extra inputs are not"),
+    ("r", {"Secret-Env": "12345"}, r"Secret-Env is invalid: Extra inputs are not"),
     ("r", {"labels": {"leasekeeper.dev/lease-id": "x"}}, r"leasekeeper.dev/ prefix is"),
     ("r", {"labels": {"Example.com/team": "x"}}, r"not a valid Kubernetes label"),
     ("r", {"image": " busybox:1.36"}, r"image: .*whitespace"),
@@ -197,6 +200,15 @@ def test_unknown_provider_is_refused_before_anything_is_written(rt: Runtime) -> 
     # a lone surrogate (JSON's unpaired \u escape) has no UTF-8 form for execve()
     ("r", {"secret_env": {"X": "123\ud80045"}}, r"secret_env\.X: .*lone surrogate"),
     ("r", {"env": {"X": "a\udc00"}}, r"env\.X: .*unicode string"),
+    # a label or an id is sent and stored in clear: one holding a secret is refused
+    ("r", {"labels": {"team": "12345", "app": "web"}, "secret_env": {"X": "12345"}},
+     r"label 'team': the value holds a secret_env value.*pass the secret in secret_env only"),
+    ("r", {"labels": {"team": "v-123456-x"}, "secret_env": {"X": "123456"}},
+     r"label 'team': the value holds a secret_env value"),
+    ("r", {"labels": {"a12345": "x"}, "secret_env": {"X": "a12345"}},
+     r"a label key holds a secret_env value"),
+    ("r", {"thread_id": "t-123456", "secret_env": {"X": "123456"}},
+     r"thread_id holds a secret_env value"),
 ])
 def test_malformed_payloads_are_clear_and_leak_nothing(run_id: str, spec: dict[str, object],
                                                        message: str) -> None:
@@ -222,6 +234,19 @@ def test_an_empty_spec_is_the_default_spec_and_stays_so(rt: Runtime) -> None:
     done = acquire_lease(rt, "run-1", parse_acquire("run-1", {})[1], None, may_retry=False)
     assert rt.store.get_lease(done.lease_id).spec == fresh.redacted()
     assert fresh == DEFAULT_SPEC and DEFAULT_SPEC.model_dump() == fresh.model_dump()
+
+
+def test_a_secret_repeated_in_the_spec_is_not_in_the_stored_spec(rt: Runtime) -> None:
+    long, short = "hunter2-long", "42"
+    spec = SandboxSpec(provider="noop", secret_env={"TOKEN": long, "PIN": short},
+                       env={"COPY": long, "PIN_COPY": short, "ANSWER": "42 is it"},
+                       command=["sh", "-c", f"echo {long}"], labels={"team": "a"})
+    done = acquire_lease(rt, "run-1", spec, None, may_retry=False)
+    stored = rt.store.get_lease(done.lease_id).spec
+    assert stored["env"] == {"COPY": "***", "PIN_COPY": "***", "ANSWER": "42 is it"}
+    assert stored["command"] == ["sh", "-c", "echo ***"]
+    assert stored["secret_env"] == {"TOKEN": "***", "PIN": "***"}
+    assert stored["labels"] == {"team": "a"}
 
 
 def test_kubernetes_label_keys_with_a_prefix_are_accepted() -> None:

@@ -8,6 +8,7 @@ import json
 import logging
 import sys
 import uuid
+from typing import Any
 
 import pytest
 
@@ -20,6 +21,7 @@ from tasks.redaction import (
     scrub_exception,
     scrub_text,
     secret_values,
+    shown_reprs,
 )
 
 CORE = uuid.uuid4().hex
@@ -110,3 +112,73 @@ def test_the_filter_redacts_and_bounds_message_data_and_traceback() -> None:
     assert CORE not in line and CORE not in json.dumps(record.data)
     assert "more characters cut" in record.getMessage()
     assert len(record.getMessage()) < 2 * LOG_MAX_CHARS
+
+
+@pytest.mark.parametrize("field", ["secretEnv", "Secret-Env", "SECRET_ENV", "Secret Env",
+                                   "my_secrets", "secret.env"])
+@pytest.mark.parametrize("dump", [json.dumps, repr, lambda s: json.dumps({"o": json.dumps(s)})],
+                         ids=["json", "repr", "json-in-json"])
+def test_a_misspelt_secret_field_is_withheld_in_free_text_too(field: str, dump: Any) -> None:
+    # a log line or an unknown task's body with the field as is_secret_field takes it; the
+    # value was never seen by this process (no value-scan), so only the field shows it
+    value = f"misspelt-{uuid.uuid4().hex}"
+    text = f"body: {dump({'run_id': 'r-1', 'spec': {field: {'TOKEN': value}}})} end"
+    assert value not in scrub_text(text) and field in scrub_text(text)
+    bare = field.replace(" ", "_").replace(".", "_")  # a bare key is one word: `a.b: ` is a path
+    assert value not in scrub_text(f"{bare}={value} and more")
+
+
+@pytest.mark.parametrize("line", [
+    "secret marks: could not read the marks of run r-1",
+    "secret_env.TOKEN: Input should be a valid string",
+    "spec: secret_env is invalid: invalid environment variable names: 'bad-name'",
+    'File "/app/tasks/secret_marks.py", line 29, in load',
+])
+def test_prose_that_names_a_secret_field_stays_readable(line: str) -> None:
+    assert scrub_text(line) == line
+
+
+def test_a_secret_repeated_elsewhere_in_the_payload_is_redacted_there_too() -> None:
+    long, short = f"long-{uuid.uuid4().hex}", "42"
+    payload = {"run_id": "r-1", "spec": {
+        "secret_env": {"TOKEN": long, "PIN": short},
+        "env": {"COPY": long, "PIN_COPY": short, "ANSWER": "42 is the answer", long: "key"},
+        "command": ["curl", f"-HBearer {long}"], "labels": {"team": "a"}}}
+    shown = redact(payload)
+    assert shown["spec"]["env"] == {"COPY": "***", "PIN_COPY": "***",
+                                    "ANSWER": "42 is the answer", "***": "key"}
+    assert shown["spec"]["command"] == ["curl", "-HBearer ***"]
+    assert shown["spec"]["secret_env"] == {"TOKEN": "***", "PIN": "***"}
+    assert long not in bounded_repr(payload) and "'PIN_COPY': '***'" in bounded_repr(payload)
+    assert redact({"env": {"X": "42"}}) == {"env": {"X": "42"}}  # no secret in this payload
+
+
+def test_a_finish_error_shows_only_its_length_however_it_is_passed() -> None:
+    error = f"token {uuid.uuid4().hex} refused"
+    by_kw = shown_reprs("run.finish", [], {"run_id": "r-1", "status": "failed",
+                                           "error": error})
+    assert by_kw.kwargsrepr == ("{'run_id': 'r-1', 'status': 'failed', "
+                                f"'error': '<error: {len(error)} chars>'}}")
+    by_position = shown_reprs("run.finish", ["r-1", "failed", 1, error], {})
+    assert by_position.argsrepr == f"['r-1', 'failed', 1, '<error: {len(error)} chars>']"
+    assert "<error: dict>" in shown_reprs("run.finish", [], {"error": {"a": error}}).kwargsrepr
+    assert "'error': None" in shown_reprs("run.finish", [], {"error": None}).kwargsrepr
+    other = shown_reprs("lease.destroy", [], {"lease_id": "l-1", "error": error})
+    assert error in other.kwargsrepr  # only the fields named in HIDDEN_FIELDS
+
+
+def test_an_invalid_finish_message_is_reported_without_its_error() -> None:
+    # what the worker's consumer logs of a message it cannot run: body and headers
+    from kombu import Message
+
+    from tasks.redaction import _redacted_message
+
+    error = f"token {uuid.uuid4().hex} refused"
+    kwargs = {"run_id": "r-1", "status": "failed", "error": error}
+    message = Message(body=json.dumps([["r-1", "failed", 1, error], kwargs, {}]).encode(),
+                      headers={"task": "run.finish", "kwargsrepr": repr(kwargs)},
+                      content_type="application/json", content_encoding="utf-8")
+    with _redacted_message(message):
+        shown = f"{message.body!r} {message.headers!r}"
+        assert error not in shown and f"<error: {len(error)} chars>" in shown
+    assert error in message.body.decode()  # the message itself is left as it came

@@ -41,3 +41,14 @@ def test_installing_twice_wraps_once() -> None:
     create = app.amqp.create_task_message
     redact_sent_messages(app)
     assert app.amqp.create_task_message is create
+
+
+def test_a_finish_error_is_shown_as_its_length_even_in_a_senders_own_reprs() -> None:
+    error = f"Bearer tok-{CORE} refused"
+    kwargs = {"run_id": "r-1", "status": "failed", "error": error}
+    for own in ({}, {"kwargsrepr": repr(kwargs), "argsrepr": repr([error])}):
+        built = app.amqp.create_task_message(str(uuid.uuid4()), "run.finish", (), kwargs,
+                                             create_sent_event=True, **own)
+        for text in (built.headers["kwargsrepr"], built.sent_event["kwargs"]):
+            assert f"'error': '<error: {len(error)} chars>'" in text and CORE not in text
+        assert CORE not in built.headers["argsrepr"]
