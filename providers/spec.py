@@ -307,6 +307,20 @@ class SandboxSpec(BaseModel):
         if ids:
             raise ValueError(f"{', '.join(ids)} holds a secret_env value; it is stored and "
                              "shown in clear: use another id")
+        # env and the command are the sandbox's spec in clear (a Kubernetes pod's spec,
+        # readable by whoever may read pods; a local process's argv and environ): a
+        # secret there would reach the sandbox outside secret_env's per-run Secret.
+        env = [k for k, v in self.env.items() if holds_secret(k, secrets)
+               or holds_secret(v, secrets)]
+        if env:
+            raise ValueError(f"env {', '.join(map(echo, env[:5]))}: holds a secret_env "
+                             "value; env is sent in clear (the pod's or process's spec): "
+                             "pass the secret in secret_env only")
+        args = [str(i) for i, a in enumerate(self.command or []) if holds_secret(a, secrets)]
+        if args:
+            raise ValueError(f"command argument {', '.join(args[:5])} (counted from 0) holds "
+                             "a secret_env value; a command is sent in clear (the pod's "
+                             "spec, a process list): read the secret from its variable")
         return self
 
     @model_validator(mode="after")

@@ -57,7 +57,7 @@ from providers.errors import (
     is_transient,
     provider_bug,
 )
-from providers.spec import SandboxSpec, check_id, parse_spec
+from providers.spec import SandboxSpec, check_id, holds_secret, parse_spec
 from tasks import pool_claim, secret_marks
 from tasks.base import LeaseTask
 from tasks.destroy import destroy_lease
@@ -417,6 +417,9 @@ def parse_acquire(run_id: object, spec: object) -> tuple[str, SandboxSpec]:
     except ValueError as exc:
         raise InvalidRequest(f"invalid lease.acquire payload: {_safe(exc)}") from None
     assert isinstance(run_id, str)
+    if parsed.secret_env and holds_secret(run_id, parsed.secret_values().values()):
+        raise InvalidRequest("invalid lease.acquire payload: run_id holds a secret_env value; "
+                             "a run id is stored, logged and shown in clear: use another")
     return run_id, parsed
 
 
