@@ -68,9 +68,11 @@ def echo(value: object) -> str:
 
 
 def holds_secret(text: str, secrets: Collection[str]) -> bool:
-    """Whether ``text`` is a secret value, or holds one long enough to be searched for."""
-    return text in secrets or any(len(s) >= MIN_SUBSTRING_SECRET_CHARS and s in text
-                                  for s in secrets)
+    """Whether ``text`` is or holds a secret value long enough to be one (at least
+    MIN_SUBSTRING_SECRET_CHARS): what a field sent in clear is refused for. A shorter
+    "secret" equal to an env value or a label ("1", "true") is no reason to refuse a
+    payload; it is still hidden wherever a whole value equals it (hide_secret_values)."""
+    return any(len(s) >= MIN_SUBSTRING_SECRET_CHARS and s in text for s in secrets)
 
 
 def hide_secret_values(value: Any, secrets: Collection[str]) -> Any:

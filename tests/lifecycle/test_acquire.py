@@ -202,7 +202,7 @@ def test_unknown_provider_is_refused_before_anything_is_written(rt: Runtime) -> 
     ("r", {"secret_env": {"X": "123\ud80045"}}, r"secret_env\.X: .*lone surrogate"),
     ("r", {"env": {"X": "a\udc00"}}, r"env\.X: .*unicode string"),
     # a label or an id is sent and stored in clear: one holding a secret is refused
-    ("r", {"labels": {"team": "12345", "app": "web"}, "secret_env": {"X": "12345"}},
+    ("r", {"labels": {"team": "123456", "app": "web"}, "secret_env": {"X": "123456"}},
      r"label 'team': the value holds a secret_env value.*pass the secret in secret_env only"),
     ("r", {"labels": {"team": "v-123456-x"}, "secret_env": {"X": "123456"}},
      r"label 'team': the value holds a secret_env value"),
@@ -210,9 +210,8 @@ def test_unknown_provider_is_refused_before_anything_is_written(rt: Runtime) -> 
      r"a label key holds a secret_env value"),
     ("r", {"thread_id": "t-123456", "secret_env": {"X": "123456"}},
      r"thread_id holds a secret_env value"),
-    # so is env (the pod's or process's spec) and the command (a process list, too); a
-    # short secret only where it is a whole value
-    ("r", {"env": {"COPY": "12345", "OK": "x"}, "secret_env": {"X": "12345"}},
+    # so is env (the pod's or process's spec) and the command (a process list, too)
+    ("r", {"env": {"COPY": "123456", "OK": "x"}, "secret_env": {"X": "123456"}},
      r"env 'COPY': holds a secret_env value; env is sent in clear.*secret_env only"),
     ("r", {"env": {"URL": "https://u:a123456@db"}, "secret_env": {"X": "a123456"}},
      r"env 'URL': holds a secret_env value"),
@@ -246,17 +245,19 @@ def test_an_empty_spec_is_the_default_spec_and_stays_so(rt: Runtime) -> None:
     assert fresh == DEFAULT_SPEC and DEFAULT_SPEC.model_dump() == fresh.model_dump()
 
 
-def test_a_short_secret_inside_other_text_is_accepted_and_the_secrets_are_not_stored(
-        rt: Runtime) -> None:
-    # "42" is a whole secret value only: text merely holding it is no secret
+def test_a_short_secret_elsewhere_is_accepted_and_hidden_where_whole(rt: Runtime) -> None:
+    # "42" is too short to be a secret anyone could find: equal to an env value or a
+    # label, or inside other text, it is no reason to refuse; the stored spec hides it
+    # where a whole value equals it
     long, short = "hunter2-long", "42"
     spec = SandboxSpec(provider="noop", secret_env={"TOKEN": long, "PIN": short},
-                       env={"ANSWER": "42 is it"}, command=["sh", "-c", "echo 42"],
-                       labels={"team": "a"})
+                       env={"ANSWER": "42 is it", "PIN_COPY": short},
+                       command=["sh", "-c", "echo 42"], labels={"team": short})
     done = acquire_lease(rt, "run-1", spec, None, may_retry=False)
     stored = rt.store.get_lease(done.lease_id).spec
-    assert stored["env"] == {"ANSWER": "42 is it"}
+    assert stored["env"] == {"ANSWER": "42 is it", "PIN_COPY": "***"}
     assert stored["command"] == ["sh", "-c", "echo 42"]
+    assert stored["labels"] == {"team": "***"}
     assert stored["secret_env"] == {"TOKEN": "***", "PIN": "***"}
     assert long not in json.dumps(stored)
 
