@@ -220,6 +220,14 @@ class PoolStore:
             counts[LeaseState(state)] = int(n)
         return {str(k): v for k, v in counts.items()}
 
+    @staticmethod
+    def _claiming(s: Session, pool: str) -> int:
+        """Members of ``pool`` taken by a claim that has not ended yet (provisioning, a run
+        bound, ``claimed_at`` set: a cold start has none); the state-led index finds them."""
+        return int(s.scalar(select(func.count()).where(
+            L.c.state == LeaseState.PROVISIONING, L.c.pool == pool,
+            L.c.claimed_at.is_not(None), L.c.run_id.is_not(None))) or 0)
+
     def member_counts(self, pools: Iterable[str]) -> dict[str, dict[str, int]]:
         """Unclaimed members that exist, by pool and state (each pool an index range)."""
         with self.store.tx() as s:
@@ -239,7 +247,12 @@ class PoolStore:
             if state == BreakerState.OPEN:
                 return Filled(FillDecision.BREAKER_OPEN, [], counts, breaker)
             live = counts[LeaseState.PROVISIONING] + counts[LeaseState.WARM]
-            room = min(target.size - live, target.max_size - sum(counts.values()), target.batch)
+            # A member being claimed is no longer counted (it is the run's), but it still
+            # exists, and comes back as a member (pending_cleanup) if its claim fails: it
+            # keeps its place under max_size until its claim ends (release locks this row).
+            claiming = self._claiming(s, target.pool)
+            room = min(target.size - live, target.max_size - sum(counts.values()) - claiming,
+                       target.batch)
             if state == BreakerState.HALF_OPEN:
                 if counts[LeaseState.PROVISIONING]:  # the probe is still under way
                     return Filled(FillDecision.PROBING, [], counts, breaker)
@@ -364,8 +377,12 @@ class PoolStore:
                 task_id: str | None) -> bool:
         """A claimed member that turned out not resumable: provisioning → pending_cleanup,
         no longer the run's (the run is unbound, free for the next member or a cold
-        start), counted as the pool's member until it is destroyed. One transaction."""
+        start), counted as the pool's member until it is destroyed. One transaction, under
+        the pool's row lock, so a fill always counts it, as claimed or as a member."""
         with self.store.tx() as s:
+            pool = s.scalar(select(L.c.pool).where(L.c.lease_id == lease_id))
+            if pool is not None:
+                self._lock_pool(s, str(pool), utcnow())
             won = move(s, self.store, lease_id, LeaseState.PROVISIONING,
                        LeaseState.PENDING_CLEANUP, reason, task_id, "run_id = :g_run_id",
                        {"g_run_id": run_id}, end_reason="not_resumable",

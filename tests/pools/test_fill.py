@@ -466,3 +466,40 @@ def test_a_dry_run_says_what_a_tick_would_do_and_changes_nothing(
     dry = fill_pools(SweepContext(rt, effects, dry_run=True))
     assert dry[FillOutcome.EXPIRED] == 1 and dry[FillOutcome.FULL] == 1
     assert snapshot() == before and effects.destroys == []
+
+
+def test_a_member_being_claimed_keeps_its_place_under_max_size(
+        runtime_with: Callable[..., Runtime]) -> None:
+    """A claimed member is the run's, but until its claim ends it still exists and, if the
+    claim fails, comes back as a member being destroyed: a fill meanwhile must leave it its
+    place, or the pool has max_size + 1 members (the Kubernetes chaos test saw 5 of 4)."""
+    from models.pool_store import ClaimIntent, FillTarget
+    from tasks.leases import new_lease_id
+    from tasks.pool_fill import breaker_policy
+
+    rt = runtime_with(pools=[pool(size=3, max_size=3, fill_batch_size=3)])
+    pools = PoolStore(rt.store)
+    target = FillTarget(pool="py", size=3, max_size=3, batch=3, provider="local",
+                        tenant="default", spec={}, max_age_s=60, acquire_timeout_s=60,
+                        idle_timeout_s=60, name_for=lambda i: f"lk-{i}", new_id=new_lease_id)
+    policy = breaker_policy(rt.settings)
+    # given a full pool of warm members, one of them taken by a claim still under way
+    assert len(pools.fill(target, policy, None).lease_ids) == 3
+    for member in members(rt):
+        set_lease(rt, member.lease_id, state=LeaseState.WARM)
+    rt.store.start_run("run-1", None, "local", "sk-run-1")
+    now = utcnow()
+    taken = pools.claim(ClaimIntent(pool="py", run_id="run-1", sandbox_key="sk-run-1",
+                                    tenant="default", thread_id=None, reuse=False, spec={},
+                                    acquire_deadline_at=now + timedelta(minutes=1),
+                                    deadline_at=now + timedelta(hours=1), idle_timeout_s=60),
+                        None)
+    assert taken is not None
+    # when a fill runs, then the claim fails and lets the member go
+    refill = pools.fill(target, policy, None)
+    assert pools.release(taken.lease_id, "run-1", "not resumable", utcnow(), None)
+    # then the fill left the claimed member its place: never more than max_size members
+    assert refill.lease_ids == []
+    counts = pools.member_counts(["py"])["py"]
+    assert sum(counts.values()) == 3, counts
+    assert counts[LeaseState.PENDING_CLEANUP] == 1 and counts[LeaseState.WARM] == 2
