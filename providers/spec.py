@@ -40,9 +40,10 @@ LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?")
 TENANT = re.compile(r"[a-z0-9]([-a-z0-9]{0,38}[a-z0-9])?")
 POOL_NAME = TENANT  # a DNS label of at most 40 characters (it becomes a label value)
 REDACTED = "***"
-# A secret value at least this long is hidden wherever it appears inside other text; a
-# shorter one only where a whole value equals it (searching text for "42" would garble
-# every line, and hide nothing a reader could not guess anyway).
+# A secret value at least this long is hidden wherever it appears inside other text (and
+# searched for in logs and errors, and marked for run.finish: tasks/redaction.py,
+# tasks/secret_marks.py); a shorter one only where a whole value equals it (searching
+# text for "42" would garble every line, and hide nothing a reader could not guess).
 MIN_SUBSTRING_SECRET_CHARS = 6
 ECHO_MAX_CHARS = 40  # how much of a refused value an error message may quote
 
@@ -290,12 +291,12 @@ class SandboxSpec(BaseModel):
         return self
 
     @model_validator(mode="after")
-    def _no_secret_in_names(self) -> SandboxSpec:
+    def _no_secret_sent_in_clear(self) -> SandboxSpec:
         # Labels and ids are sent in clear (Kubernetes labels, resource names, the store's
         # columns, task results): a secret there is a mistake. Named by key, never value.
         if not self.secret_env:
             return self
-        secrets = frozenset(v.get_secret_value() for v in self.secret_env.values()) - {""}
+        secrets = self.secret_values().values()
         if any(holds_secret(k, secrets) for k in self.labels):
             raise ValueError("a label key holds a secret_env value; labels are sent to "
                              "Kubernetes in clear: pass the secret in secret_env only")

@@ -45,10 +45,6 @@ REPR_MAX_CHARS = 1024  # what Flower, events and logs show of a task's arguments
 SMALL_BODY_BYTES = 16 * 1024  # a message body this small has its reprs built the quick way
 LOG_MAX_CHARS = 4000  # one log message (its traceback is cut separately)
 TRACEBACK_MAX_CHARS = 16000
-# Secret values shorter than this are not searched for in free text (they would garble
-# every line); they are still redacted under ``secret_env`` and wherever a whole value of
-# the same payload equals them (providers/spec.py hide_secret_values).
-MIN_SCANNED_SECRET_CHARS = MIN_SUBSTRING_SECRET_CHARS
 # Free-text fields of a task never shown in a repr, only their length: run.finish's error
 # quotes whatever the run printed, secrets of a run this process never saw included (the
 # stored error is scrubbed by the secret marks, tasks/secret_marks.py, which a repr built
@@ -75,10 +71,10 @@ def is_secret_field(key: object) -> bool:
 def redact(value: Any) -> Any:
     """A copy of task arguments with every secret value replaced by ``***``: under a
     secret field, and wherever else in ``value`` it is repeated (``hide_secret_values``)."""
-    return redact_collecting(value)[0]
+    return _redacted(value)[0]
 
 
-def redact_collecting(value: Any) -> tuple[Any, list[str]]:
+def _redacted(value: Any) -> tuple[Any, list[str]]:
     """``redact(value)``, and the secret values it found (one walk when there are none)."""
     found: list[str] = []
     shown = _redact(value, found)
@@ -176,10 +172,7 @@ def shown_reprs(name: object, args: Any, kwargs: Any, small: bool = True) -> Sho
     redacted (a secret in the kwargs repeated in the args too: one payload)."""
     if name in HIDDEN_FIELDS:
         args, kwargs = hide_fields(name, args, kwargs)
-    found: list[str] = []
-    shown_args, shown_kwargs = _redact(args, found), _redact(kwargs, found)
-    if found:  # a secret repeated anywhere in the message: hidden there too
-        shown_args, shown_kwargs = hide_secret_values([shown_args, shown_kwargs], found)
+    (shown_args, shown_kwargs), found = _redacted([args, kwargs])
     return Shown(_bounded(shown_args, small), _bounded(shown_kwargs, small), found)
 
 
@@ -198,7 +191,7 @@ def remember(values: Iterable[str]) -> None:
     """Keep the most recent secret values this process handled, to scrub them from text."""
     with _known_lock:
         for value in values:
-            if len(value) >= MIN_SCANNED_SECRET_CHARS:
+            if len(value) >= MIN_SUBSTRING_SECRET_CHARS:
                 _known[value] = None
                 _known.move_to_end(value)
         while len(_known) > _KNOWN_MAX:

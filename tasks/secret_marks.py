@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import redis
 
 from providers.errors import BrokerUnavailable
-from providers.spec import REDACTED
-from tasks.redaction import MIN_SCANNED_SECRET_CHARS
+from providers.spec import MIN_SUBSTRING_SECRET_CHARS, REDACTED
 from workers.runtime import Runtime
 from workers.settings import Settings
 
@@ -50,7 +49,7 @@ def digest(key: bytes, value: str) -> str:
 
 def marks_of(key: bytes, values: Iterable[str]) -> set[str]:
     """``"<length>:<digest>"`` of each value long enough to be searched for in text."""
-    return {f"{len(v)}:{digest(key, v)}" for v in values if len(v) >= MIN_SCANNED_SECRET_CHARS}
+    return {f"{len(v)}:{digest(key, v)}" for v in values if len(v) >= MIN_SUBSTRING_SECRET_CHARS}
 
 
 def _run_key(settings: Settings, run_id: str) -> str:

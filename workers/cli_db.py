@@ -33,9 +33,10 @@ def db_current() -> None:
     """The store's migration against this leasekeeper's latest. Exit 0 when they match, 1
     when the store needs `leasekeeper db upgrade` or a newer leasekeeper migrated it."""
     from workers.db_revisions import SchemaPosition, schema_position
-    from workers.preflight import shown
+    from workers.preflight import check_driver, shown
 
     url = get_settings().effective_store_url
+    check_driver(url)
     where = schema_position(url)
     typer.echo(f"store {shown(url)}: {where.describe()}")
     raise typer.Exit(ExitCode.OK if where.position == SchemaPosition.AT_HEAD

@@ -57,7 +57,7 @@ class Where:
 
 
 def schema_position(url: str) -> Where:
-    check_driver(url)
+    """Where the store's schema stands (its driver already checked: ``check_driver``)."""
     current = tuple(sorted(_current_revisions(url)))
     heads = tuple(sorted(_heads()))
     if unknown_revisions(url, set(current)):
@@ -69,12 +69,11 @@ def schema_position(url: str) -> Where:
 
 
 def _above(heads: tuple[str, ...], current: tuple[str, ...]) -> tuple[str, ...]:
-    """The migrations above ``current`` (none: an empty store) up to ``heads``, oldest
-    first: what `db upgrade` applies."""
-    lower = current or (BASE,)
-    found = {r.revision for head in heads for r in _script().iterate_revisions(head, lower)}
-    ordered = [r.revision for r in reversed(list(_script().walk_revisions()))]
-    return tuple(r for r in ordered if r in found and r not in current)
+    """The migrations above ``current`` (none: an empty store) up to the head, oldest
+    first: what `db upgrade` applies (the history is one line)."""
+    (head,) = heads
+    lower = current[0] if current else BASE
+    return tuple(reversed([r.revision for r in _script().iterate_revisions(head, lower)]))
 
 
 @dataclass(frozen=True)
@@ -94,10 +93,7 @@ def plan_downgrade(url: str, revision: str) -> Downgrade:
     current = _current_revisions(url)
     newer = unknown_revisions(url, current)
     if newer:
-        raise NewerStore(_newer_store(url, newer).replace(
-            "never downgrade a store by hand",
-            "to downgrade it, run `leasekeeper db downgrade` with that newer version, which "
-            "has those migrations"))
+        raise NewerStore(_newer_store(url, newer))
     if not current:
         raise ConfigError(f"the store {shown(url)} was never migrated: there is nothing to "
                           "downgrade")
@@ -116,13 +112,13 @@ def plan_downgrade(url: str, revision: str) -> Downgrade:
     (head,) = sorted(current)
     if target == head:
         return Downgrade(target, ())
-    try:
-        undone = [r.revision for r in script.iterate_revisions(head, target)]
+    try:  # from the head down, ``target`` itself not included
+        undone = tuple(r.revision for r in script.iterate_revisions(head, target))
     except (CommandError, RevisionError):
         raise ConfigError(f"the store {shown(url)} is at migration {head}, below {target}: "
                           "a downgrade cannot go there; run `leasekeeper db upgrade "
                           f"--revision {target}` to go up") from None
-    return Downgrade(target, tuple(r for r in undone if r != target))
+    return Downgrade(target, undone)
 
 
 def run_downgrade(url: str, revision: str) -> None:

@@ -134,8 +134,9 @@ def unknown_revisions(url: str, current: set[str] | None = None) -> list[str]:
 def _newer_store(url: str, revisions: list[str]) -> str:
     return (f"the store {shown(url)} is at migration {', '.join(revisions)}, which this "
             f"leasekeeper does not have (its latest is {', '.join(sorted(_heads()))}): a "
-            "newer leasekeeper migrated it. Run that newer version against this store; "
-            "never downgrade a store by hand")
+            "newer leasekeeper migrated it. Run that newer version against this store, or go "
+            f"back to this one with `leasekeeper db downgrade {', '.join(sorted(_heads()))} "
+            "--yes` run with that newer version, which has those migrations")
 
 
 def check_store(url: str) -> None:
@@ -157,18 +158,19 @@ def check_store(url: str) -> None:
             )
         if not path.is_file():
             raise ConfigError(f"there is no store at {path} (never migrated): {UPGRADE}")
-    current = _current_revisions(url)
-    newer = unknown_revisions(url, current)
-    if newer:
-        raise NewerStore(_newer_store(url, newer))
-    heads = _heads()
-    if not current:
-        raise ConfigError(f"the store {shown(url)} has no schema (it was never migrated): "
-                          f"{UPGRADE}")
-    if current != heads:
-        raise ConfigError(f"the store {shown(url)} is at migration "
-                          f"{', '.join(sorted(current))}, this leasekeeper needs "
-                          f"{', '.join(sorted(heads))}: {UPGRADE}")
+    from workers.db_revisions import SchemaPosition, schema_position
+
+    where = schema_position(url)
+    match where.position:
+        case SchemaPosition.NEWER:
+            raise NewerStore(_newer_store(url, unknown_revisions(url, set(where.current))))
+        case SchemaPosition.NEVER_MIGRATED:
+            raise ConfigError(f"the store {shown(url)} has no schema (it was never migrated): "
+                              f"{UPGRADE}")
+        case SchemaPosition.BEHIND:
+            raise ConfigError(f"the store {shown(url)} is at migration "
+                              f"{', '.join(where.current)}, this leasekeeper needs "
+                              f"{', '.join(where.heads)}: {UPGRADE}")
 
 
 def check_store_writable(url: str) -> None:
