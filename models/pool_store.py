@@ -36,7 +36,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from models.schema import Lease, LeaseEvent, LeaseRecord, LeaseState, Pool, Run, RunStatus, utcnow
-from models.store import LiveLeaseExists, Store
+from models.store import LiveLeaseExists, RunRebound, Store
 from models.sweep_store import move
 from providers.errors import InvalidRequest
 
@@ -141,6 +141,7 @@ class ClaimIntent:
     acquire_deadline_at: datetime
     deadline_at: datetime
     idle_timeout_s: int
+    bound_lease: str | None = None  # the run's lease when the acquire read it (ended)
 
 
 class DrainKind(StrEnum):
@@ -340,12 +341,14 @@ class PoolStore:
         """The oldest warm member of the pool, now the run's (provisioning until its claim
         is delivered), bound to the run, with its event: one transaction, one statement on
         PostgreSQL (models/rawsql.py). None when the pool has no warm member.
-        Raises LiveLeaseExists when the run's sandbox key already has a live lease."""
+        Raises LiveLeaseExists when the run's sandbox key already has a live lease, and
+        RunRebound when another copy of the run's acquire bound the run first."""
         claim = {"pool": intent.pool, "run_id": intent.run_id, "tenant": intent.tenant,
                  "thread_id": intent.thread_id, "sandbox_key": intent.sandbox_key,
                  "reuse": intent.reuse, "spec": intent.spec,
                  "acquire_deadline_at": intent.acquire_deadline_at,
-                 "deadline_at": intent.deadline_at, "idle_timeout_s": intent.idle_timeout_s}
+                 "deadline_at": intent.deadline_at, "idle_timeout_s": intent.idle_timeout_s,
+                 "bound_lease": intent.bound_lease}
         store = self.store
         try:
             with store.raw_tx() as cur:
@@ -360,6 +363,9 @@ class PoolStore:
             if run is not None and run.status != RunStatus.RUNNING:
                 raise InvalidRequest(f"run {intent.run_id} is no longer running "
                                      f"({run.status}); start a new run to get a sandbox")
+            if run is not None and run.lease_id not in (None, intent.bound_lease):
+                raise RunRebound(f"run {intent.run_id} was bound to lease {run.lease_id} "
+                                 "meanwhile")
         return member
 
     def activate(self, lease_id: str, run_id: str, meta: dict[str, Any],

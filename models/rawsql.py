@@ -469,13 +469,17 @@ _CLAIM_SET = (
 
 
 def _oldest_warm(runs: str) -> str:
-    """The pool's oldest warm member, none if the run (its row in ``runs``) has ended: a
-    member is claimed only for a run still running, or with no row. PostgreSQL passes
-    its locked copy of the run's row, so a run.finish waits for the claim and its reclaim
-    then finds the member bound; on SQLite the claim's transaction holds the write lock."""
+    """The pool's oldest warm member, none if the run (its row in ``runs``) has ended, or
+    was bound to a lease since the acquire read it (``:c_bound_lease``, the lease it had
+    then: another copy of the acquire bound it first): a member is claimed only for a
+    run still running and unbound, or with no row. PostgreSQL passes its locked copy of
+    the run's row (a twin's claim waits for this one's, then sees its binding), so a
+    run.finish waits for the claim and its reclaim then finds the member bound; on SQLite
+    the claim's transaction holds the write lock."""
     return (f"SELECT lease_id FROM leases WHERE pool = :c_pool "
             f"AND state = '{LeaseState.WARM}' AND NOT EXISTS (SELECT 1 FROM {runs} AS r "
-            f"WHERE r.run_id = :c_run_id AND r.status <> '{RunStatus.RUNNING}') "
+            f"WHERE r.run_id = :c_run_id AND (r.status <> '{RunStatus.RUNNING}' OR "
+            "r.lease_id <> COALESCE(:c_bound_lease, ''))) "
             "ORDER BY created_at, lease_id LIMIT 1")
 
 
@@ -483,7 +487,8 @@ _SQLITE_CLAIM_MEMBER = (
     f"UPDATE leases SET {_CLAIM_SET} WHERE lease_id = ({_oldest_warm('runs')}) "
     f"AND state = '{LeaseState.WARM}' RETURNING {_RETURNING}")
 _PG_CLAIM_MEMBER = (
-    "WITH run AS (SELECT run_id, status FROM runs WHERE run_id = :c_run_id FOR UPDATE), "
+    "WITH run AS (SELECT run_id, status, lease_id FROM runs WHERE run_id = :c_run_id "
+    "FOR UPDATE), "
     f"pick AS ({_oldest_warm('run')} FOR UPDATE SKIP LOCKED), "
     f"taken AS (UPDATE leases AS l SET {_CLAIM_SET} FROM pick "
     f"WHERE l.lease_id = pick.lease_id AND l.state = '{LeaseState.WARM}' "

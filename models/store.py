@@ -30,6 +30,7 @@ from sqlalchemy import (
     event,
     insert,
     make_url,
+    or_,
     select,
     update,
 )
@@ -92,6 +93,20 @@ def failed_run(error: str) -> dict[str, Any]:
 
 class LiveLeaseExists(StoreError):
     """Another live lease holds this sandbox key."""
+
+
+class RunRebound(StoreError):
+    """The run was bound to another lease after this acquire read it (another copy of
+    the run's acquire, sent at once, bound its sandbox first): nothing was written."""
+
+
+def run_bindable(bound_lease: str | None, lease_id: str | None) -> list[ColumnElement[bool]]:
+    """The runs row may be bound to a lease: it has none, or still the one the acquire
+    read (``bound_lease``: an ended lease of the thread), or already this very one (a
+    twin bound the same). A compare-and-set: a twin's bind in between makes it false."""
+    ok: list[ColumnElement[bool]] = [_RUNS.c.lease_id.is_(None)]
+    ok += [_RUNS.c.lease_id == b for b in (bound_lease, lease_id) if b is not None]
+    return [or_(*ok)]
 
 
 class RunChange(StrEnum):
@@ -542,18 +557,25 @@ class Store:
             return self.start_run(run_id, thread_id, provider, sandbox_key)
         return run
 
-    def bind_run(self, run_id: str, lease_id: str, sandbox_key: str) -> None:
+    def bind_run(self, run_id: str, lease_id: str, sandbox_key: str,
+                 bound_lease: str | None = None) -> None:
         """Bind a running run to an active lease (a reuse), both or neither: a run that
         ended meanwhile (its run.finish came first) is not given a sandbox it would hold
-        the lease's run_id on; a lease that ended meanwhile is not handed to a run."""
+        the lease's run_id on; a lease that ended meanwhile is not handed to a run; a run
+        another copy of its acquire bound to another lease since it was read
+        (``bound_lease``: the lease it had then) raises RunRebound."""
         with self.tx() as s:
-            bound = s.execute(update(Run).where(Run.run_id == run_id,
-                                                Run.status == RunStatus.RUNNING)
+            bound = s.execute(update(_RUNS).where(_RUNS.c.run_id == run_id,
+                                                  _RUNS.c.status == RunStatus.RUNNING,
+                                                  *run_bindable(bound_lease, lease_id))
                               .values(lease_id=lease_id, sandbox_key=sandbox_key))
             if _rowcount(bound) != 1:
                 run = s.get(Run, run_id)
                 if run is None:
                     raise NotFound(f"no run {run_id!r}; acquire a lease for it first")
+                if run.status == RunStatus.RUNNING:
+                    raise RunRebound(f"run {run_id} was bound to lease {run.lease_id} "
+                                     "meanwhile")
                 raise InvalidRequest(f"run {run_id} is {run.status}; start a new run to get "
                                      "a sandbox")
             moved = s.execute(update(Lease).where(Lease.lease_id == lease_id,
@@ -629,8 +651,12 @@ class Store:
         return outcome
 
     # -- leases ------------------------------------------------------------------------
-    def create_intent(self, new: NewLease, task_id: str | None) -> Lease:
-        """Record the lease, with the provider name it will use, before anything exists."""
+    def create_intent(self, new: NewLease, task_id: str | None,
+                      bound_lease: str | None = None) -> Lease:
+        """Record the lease, with the provider name it will use, before anything exists,
+        and bind its run to it. Nothing is written if the run ended (InvalidRequest) or
+        was bound to another lease than ``bound_lease`` (the run's lease when the acquire
+        read it) meanwhile (RunRebound: another copy of the acquire bound it first)."""
         now = utcnow()
         try:
             with self.tx() as s:
@@ -648,10 +674,16 @@ class Store:
                     lease_id=new.lease_id, at=now, from_state=None,
                     to_state=LeaseState.PROVISIONING,
                     reason=f"intent recorded for run {new.run_id}", task_id=task_id))
-                bound = s.execute(update(_RUNS).where(_RUNS.c.run_id == new.run_id,
-                                                      _RUNS.c.status == RunStatus.RUNNING)
-                                  .values(lease_id=new.lease_id, sandbox_key=new.sandbox_key))
-                if _rowcount(bound) != 1 and s.get(Run, new.run_id) is not None:
+                bound = s.execute(update(_RUNS).where(
+                    _RUNS.c.run_id == new.run_id, _RUNS.c.status == RunStatus.RUNNING,
+                    *run_bindable(bound_lease, new.lease_id))
+                    .values(lease_id=new.lease_id, sandbox_key=new.sandbox_key))
+                run = (None if _rowcount(bound) == 1 or new.run_id is None
+                       else s.get(Run, new.run_id))
+                if run is not None and run.status == RunStatus.RUNNING:
+                    raise RunRebound(f"run {new.run_id} was bound to lease {run.lease_id} "
+                                     "meanwhile")  # rolls the intent back
+                if run is not None:
                     # the run ended meanwhile (sweep.reap_runs failed it): write nothing
                     raise InvalidRequest(f"run {new.run_id} is no longer running; start a "
                                          "new run to get a sandbox")

@@ -36,7 +36,7 @@ from typing import Any
 from celery.exceptions import Retry, SoftTimeLimitExceeded
 
 from models.schema import AnyLease, LeaseState, RunStatus, utcnow
-from models.store import LiveLeaseExists, NewLease, RunChange
+from models.store import LiveLeaseExists, NewLease, RunChange, RunRebound
 from providers.base import (
     Acquired,
     AcquireOutcome,
@@ -145,18 +145,37 @@ def acquire_lease(
                 f"{lease.last_error or lease.end_reason}); start a new run"
             )
 
+    try:
+        return _bind_new(rt, provider, spec, key, run_id, run.lease_id, task_id, may_retry)
+    except RunRebound:
+        # Another copy of this run's acquire, sent at once, bound the run to its sandbox
+        # since the run was read (nothing of this copy's was written): the run's sandbox
+        # is that one. Answer it, or wait for it with a retry; another spec is refused.
+        return _twin_bound_first(rt, run_id, spec, key, provider_name)
+
+
+def _bind_new(
+    rt: Runtime, provider: Provider, spec: SandboxSpec, key: str, run_id: str,
+    bound_lease: str | None, task_id: str | None, may_retry: bool,
+) -> Acquisition:
+    """The run's sandbox when it has none (``bound_lease``: the ended lease it had when it
+    was read, if any): the thread's live one (reuse), a pool's warm member, or a new one.
+    Every bind is a compare-and-set on the run's lease: RunRebound if a twin bound it."""
+    store = rt.store
     if spec.reuse:
-        reused = _try_reuse(rt, provider, key, run_id, task_id)
+        reused = _try_reuse(rt, provider, key, run_id, task_id, bound_lease)
         if reused is not None:
             return reused
 
     if spec.pool is not None:
-        claimed = _claim(rt, provider, key, run_id, spec, task_id, may_retry)
+        claimed = _claim(rt, provider, key, run_id, spec, task_id, may_retry, bound_lease)
         if claimed is not None:
             return claimed
 
+    provider_name = provider.name
     try:
-        intent = store.create_intent(_new_lease(rt, provider, spec, key, run_id), task_id)
+        intent = store.create_intent(_new_lease(rt, provider, spec, key, run_id), task_id,
+                                     bound_lease)
     except LiveLeaseExists:
         live = store.live_lease_for_key(key)
         if live is not None and live.run_id == run_id:
@@ -180,6 +199,20 @@ def acquire_lease(
     return _provision(rt, provider, intent, run_id, spec, task_id, may_retry)
 
 
+def _twin_bound_first(rt: Runtime, run_id: str, spec: SandboxSpec, key: str,
+                      provider_name: str) -> Acquisition:
+    run = rt.store.get_run(run_id)
+    if run is None or run.lease_id is None:  # let go again since (a claim not resumable)
+        raise TransientProviderError(f"run {run_id}'s sandbox changed while it was being "
+                                     "acquired; retrying")
+    lease = rt.store.get_lease(run.lease_id)
+    require_same_spec(run_id, lease, spec, key, provider_name)
+    if lease.state == LeaseState.ACTIVE:
+        return _acquisition(AcquireResult.ALREADY_ACQUIRED, run_id, lease)
+    raise TransientProviderError(f"run {run_id}'s sandbox is being acquired by another copy "
+                                 "of its lease.acquire; retrying")
+
+
 def _new_lease(rt: Runtime, provider: Provider, spec: SandboxSpec, key: str,
                run_id: str) -> NewLease:
     lease_id, now = new_lease_id(), utcnow()
@@ -195,7 +228,8 @@ def _new_lease(rt: Runtime, provider: Provider, spec: SandboxSpec, key: str,
 
 
 def _try_reuse(
-    rt: Runtime, provider: Provider, key: str, run_id: str, task_id: str | None
+    rt: Runtime, provider: Provider, key: str, run_id: str, task_id: str | None,
+    bound_lease: str | None,
 ) -> Acquisition | None:
     live = rt.store.live_lease_for_key(key)
     if live is None:
@@ -212,7 +246,7 @@ def _try_reuse(
         raise TransientProviderError(f"sandbox key {key} is still provisioning; retrying")
     check = provider.resume_check(handle(live), rt.settings.resume_timeout_s)
     if check.outcome == ResumeOutcome.RESUMABLE:
-        rt.store.bind_run(run_id, live.lease_id, key)
+        rt.store.bind_run(run_id, live.lease_id, key, bound_lease)
         rt.store.touch(live.lease_id)
         return _acquisition(AcquireResult.REUSED, run_id, live)
     # Not resumable (pods cannot be restarted in place): clean it up, then acquire fresh.
@@ -226,13 +260,13 @@ def _try_reuse(
 
 def _claim(
     rt: Runtime, provider: Provider, key: str, run_id: str, spec: SandboxSpec,
-    task_id: str | None, may_retry: bool,
+    task_id: str | None, may_retry: bool, bound_lease: str | None,
 ) -> Acquisition | None:
     """Warm members of the spec's pool, oldest first, until one is resumable (at most
     pool_claim_attempts; each one that is not is destroyed); None: start cold."""
     for _ in range(rt.settings.pool_claim_attempts):
         try:
-            member = pool_claim.take(rt, spec, key, run_id, task_id)
+            member = pool_claim.take(rt, spec, key, run_id, task_id, bound_lease)
         except LiveLeaseExists:
             return None  # the cold path says what is wrong with the key
         if member is None:

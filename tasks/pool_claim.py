@@ -31,10 +31,12 @@ from workers.runtime import Runtime
 CLAIMED_REASON = "claimed from pool"  # the start of a claimed member's activation event
 
 
-def take(rt: Runtime, spec: SandboxSpec, sandbox_key: str, run_id: str, task_id: str | None
-         ) -> LeaseRecord | None:
+def take(rt: Runtime, spec: SandboxSpec, sandbox_key: str, run_id: str, task_id: str | None,
+         bound_lease: str | None = None) -> LeaseRecord | None:
     """The pool's oldest warm member, now the run's; None if the pool has none warm.
-    Raises LiveLeaseExists if the run's sandbox key already has a live lease."""
+    Raises LiveLeaseExists if the run's sandbox key already has a live lease, RunRebound
+    if the run was bound to a lease other than ``bound_lease`` (the one it had when the
+    acquire read it) meanwhile."""
     assert spec.pool is not None
     s = rt.settings
     return PoolStore(rt.store).claim(ClaimIntent(
@@ -42,7 +44,8 @@ def take(rt: Runtime, spec: SandboxSpec, sandbox_key: str, run_id: str, task_id:
         thread_id=spec.thread_id, reuse=spec.reuse, spec=spec.redacted(),
         acquire_deadline_at=later(s.acquire_timeout_s),
         deadline_at=later(spec.ttl_s or s.lease_ttl_s),
-        idle_timeout_s=spec.idle_timeout_s or s.lease_idle_timeout_s), task_id)
+        idle_timeout_s=spec.idle_timeout_s or s.lease_idle_timeout_s,
+        bound_lease=bound_lease), task_id)
 
 
 def deliver(rt: Runtime, provider: Provider, target: LeaseHandle, lease_id: str, run_id: str,

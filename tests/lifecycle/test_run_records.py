@@ -234,11 +234,12 @@ class FinishingStore(Store):
         super().__init__(url)
         self.meanwhile: Callable[[], Any] | None = meanwhile
 
-    def bind_run(self, run_id: str, lease_id: str, sandbox_key: str) -> None:
+    def bind_run(self, run_id: str, lease_id: str, sandbox_key: str,
+                 bound_lease: str | None = None) -> None:
         if self.meanwhile is not None:
             act, self.meanwhile = self.meanwhile, None
             act()
-        super().bind_run(run_id, lease_id, sandbox_key)
+        super().bind_run(run_id, lease_id, sandbox_key, bound_lease)
 
 
 def test_a_run_finished_before_its_reuse_acquire_binds_is_not_bound(rt: Runtime) -> None:
