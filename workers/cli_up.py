@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
@@ -160,29 +161,61 @@ def _demo(count: int) -> DemoOutcome:
     return DemoOutcome.AS_EXPECTED if ok else DemoOutcome.NOT_AS_EXPECTED
 
 
-def _destroy_demo_leases(runs: list[str]) -> None:
-    """Destroy every live lease bound to one of the demo's runs (an acquire still under way
-    may finish after this: `_what_stays_running` then names what is left)."""
-    from celery.exceptions import CeleryError
-
-    from models.schema import LIVE_STATES
-    from tasks import producer
+def _destroy_demo_leases(runs: list[str], wait_s: float | None = None) -> None:
+    """Destroy every live lease of the demo's runs before the worker stops. An acquire
+    still under way (its run not yet recorded, or its lease not yet written) is waited
+    for and its lease destroyed too, and so is a destroy another task has under way (the
+    demo's own reclaim: ``in_progress``); at most ``wait_s`` in all (DEMO_DESTROY_WAIT_S),
+    then `_what_stays_running` names what is left."""
+    from models.schema import LeaseState, RunStatus
     from workers.runtime import get_runtime
 
     store = get_runtime().store
-    for run_id in runs:
-        run = store.get_run(run_id)
-        if run is None or run.lease_id is None:
-            continue
-        lease = store.get_lease(run.lease_id)
-        if lease.state not in LIVE_STATES:
-            continue
-        try:
-            done = producer.destroy_lease(lease.lease_id, reason="demo interrupted").get(60)
-            say(f"  lease {lease.lease_id}: {done['result']}")
-        except (LeasekeeperError, CeleryError, TimeoutError) as exc:
-            say(f"  lease {lease.lease_id}: could not destroy it ({type(exc).__name__}: "
-                f"{exc})")
+    deadline = time.monotonic() + (DEMO_DESTROY_WAIT_S if wait_s is None else wait_s)
+    asked: dict[str, str] = {}  # lease id -> what its destroy answered
+    while True:
+        waiting: list[str] = []
+        for run_id in runs:
+            run = store.get_run(run_id)
+            if run is None or run.lease_id is None:
+                if run is None or run.status == RunStatus.RUNNING:
+                    waiting.append(run_id)  # its acquire is under way
+                continue
+            lease = store.get_lease(run.lease_id)
+            if lease.state in (LeaseState.ACTIVE, LeaseState.PROVISIONING,
+                               LeaseState.PENDING_CLEANUP) and lease.lease_id not in asked:
+                asked[lease.lease_id] = _destroy_one(lease.lease_id)
+                lease = store.get_lease(lease.lease_id)
+            if lease.state in (LeaseState.PROVISIONING, LeaseState.DESTROYING):
+                waiting.append(run_id)  # a destroy, or the acquire it ended, under way
+            elif asked.get(lease.lease_id) == "in_progress":
+                asked[lease.lease_id] = str(lease.state)
+                say(f"  lease {lease.lease_id}: {lease.state}")
+        if not waiting:
+            return
+        if time.monotonic() >= deadline:
+            say(f"  still under way: the leases of run(s) {', '.join(waiting)} (the sweeps "
+                "finish them when leasekeeper runs again)")
+            return
+        time.sleep(0.2)
+
+
+DEMO_DESTROY_WAIT_S = 30.0
+
+
+def _destroy_one(lease_id: str) -> str:
+    """lease.destroy through the producer; what it answered (said), or "failed"."""
+    from celery.exceptions import CeleryError
+
+    from tasks import producer
+
+    try:
+        done = producer.destroy_lease(lease_id, reason="demo interrupted").get(60)
+    except (LeasekeeperError, CeleryError, TimeoutError) as exc:
+        say(f"  lease {lease_id}: could not destroy it ({type(exc).__name__}: {exc})")
+        return "failed"
+    say(f"  lease {lease_id}: {done['result']}")
+    return str(done["result"])
 
 
 def _stopping(settings: Settings) -> None:
@@ -283,11 +316,18 @@ def _what_stays_running() -> None:
         by_state[lease.state] = by_state.get(lease.state, 0) + 1
     counts = ", ".join(f"{n} {state}" for state, n in sorted(by_state.items())) or "no"
     say(f"stays running after leasekeeper stops: {counts} lease(s) and "
-        f"{len(sandboxes)} sandbox(es) ({', '.join(sandboxes) or 'none'}), kept so their "
-        "runs can resume.")
-    command = command_name()
-    say(f"to end them, start `{command} up` again and run `{command} leases destroy "
-        f"--state active --yes` (or `{command} leases destroy <lease id>`)")
+        f"{len(sandboxes)} sandbox(es) ({', '.join(sandboxes) or 'none'}).")
+    ending = sum(n for state, n in by_state.items()
+                 if state in (LeaseState.PENDING_CLEANUP, LeaseState.DESTROYING))
+    if ending:
+        say(f"{ending} lease(s) being destroyed: the cleanup sweep finishes their destroy "
+            "when leasekeeper runs again")
+    if ending < len(live) or not live:
+        command = command_name()
+        kept = (f"{len(live) - ending} live lease(s) kept so their runs can resume; "
+                if live else "")
+        say(f"{kept}to end them, start `{command} up` again and run `{command} leases "
+            f"destroy --state active --yes` (or `{command} leases destroy <lease id>`)")
 
 
 def flower(
