@@ -10,6 +10,7 @@ payloads documented in the README. With the broker down, every call raises
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -31,7 +32,8 @@ from tasks.runs import detach_run as _detach
 from tasks.runs import finish_run as _finish
 from tasks.runs import touch_lease as _touch
 from workers.pool_settings import resolve_spec
-from workers.settings import PROVIDER_NAMES, Settings, get_settings
+from workers.settings import PROVIDER_NAMES, Settings, env_file_path, get_settings
+from workers.up_lock import broker_hint
 
 
 def _id(kind: str, value: object) -> str:
@@ -113,7 +115,7 @@ def broker_unreachable(url: str, exc: BaseException, sending: bool = True) -> st
                 f"({str(exc)[:80]}){unsent} Point the URL at Redis, then retry")
     reason = str(exc).split(". ")[-1].strip(". ") or type(exc).__name__
     return (f"{where} is unreachable ({reason}){unsent} Start Redis there or fix the URL, "
-            "then retry")
+            f"then retry.{broker_hint(os.environ, env_file_path())}")
 
 
 def auth_failure(exc: BaseException | None) -> str | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from providers.errors import ConfigError
@@ -44,3 +44,45 @@ def hold_var_dir(var_dir: Path) -> Iterator[Path]:
             os.ftruncate(fd, 0)  # the lock itself goes with the fd
     finally:
         os.close(fd)
+
+
+def running_up(var_dir: Path) -> int | None:
+    """The pid of the `leasekeeper up` running on ``var_dir``, None if none is: the pid it
+    wrote into its lock file (emptied when it stops) and a process with that pid alive.
+    Read only, never locked: a check must not make an `up` starting meanwhile fail."""
+    try:
+        text = (var_dir / LOCK_NAME).read_text(errors="replace").strip()
+    except OSError:
+        return None
+    if not text.isdigit():
+        return None
+    pid = int(text)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None  # killed outright (SIGKILL, a reboot): its env file is stale
+    except PermissionError:
+        pass  # alive, another user's
+    return pid
+
+
+def broker_hint(env: Mapping[str, str], env_file: Path) -> str:
+    """Where an unreachable broker's URL came from, when that says what to do: the env
+    file of an `up` that no longer runs (killed, or the machine rebooted), or no
+    setting at all (the default address, where nothing may ever have run). "" when the
+    URL was set in the environment."""
+    if env.get("LEASEKEEPER_BROKER_URL"):
+        return ""
+    try:
+        from_file = "LEASEKEEPER_BROKER_URL=" in env_file.read_text(errors="replace")
+    except OSError:
+        from_file = False
+    if not from_file:
+        return (" LEASEKEEPER_BROKER_URL is not set, so this is the default address: "
+                "`leasekeeper up` (`make run` in a checkout) starts a broker with the whole "
+                "backend and writes its address for clients here")
+    if running_up(env_file.parent) is not None:
+        return ""
+    return (f" The URL comes from {env_file}, written by a `leasekeeper up` that is no "
+            "longer running (killed, or the machine restarted): start `leasekeeper up` "
+            f"again, or remove {env_file} and set LEASEKEEPER_BROKER_URL")

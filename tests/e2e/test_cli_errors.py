@@ -5,6 +5,7 @@ name the setting, the address and the fix, with a non-zero exit and no traceback
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import threading
 from collections.abc import Iterator
@@ -308,3 +309,53 @@ def test_reap_with_the_broker_down_names_the_setting_and_the_fix(tmp_path: Path)
     err = short_error(done, "sweep.finish_exited", maybe_sanitize_url(url),
                       "LEASEKEEPER_BROKER_URL", "Start Redis there")
     assert "secret-pw" not in err
+
+
+def test_a_stale_env_file_of_an_up_that_was_killed_says_to_start_up_again(
+    tmp_path: Path,
+) -> None:
+    # Before, after `up` was killed (or the machine restarted): "the broker at
+    # redis://127.0.0.1:<port>/0 ... is unreachable. Start Redis there or fix the URL",
+    # when the address was that dead `up`'s own, read from its env file.
+    import subprocess
+    import sys
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    var = tmp_path / ".var"
+    var.mkdir()
+    url = f"redis://127.0.0.1:{closed_port()}/0"
+    (var / "env").write_text(f"export LEASEKEEPER_BROKER_URL={url}\n")
+    (var / "up.lock").write_text(gone.stdout)  # the pid of a process that has ended
+    env = cli_env()
+    for command, code in ((["status"], 1), (["health", "--broker"], 1)):
+        done = leasekeeper(*command, env=env, cwd=tmp_path)
+        assert done.returncode == code, done.stdout + done.stderr
+        said = done.stdout + done.stderr
+        assert url in said and "Start Redis there or fix the URL" in said, said
+        assert (".var/env, written by a `leasekeeper up` that is no longer running "
+                "(killed, or the machine restarted): start `leasekeeper up` again") in said
+    # an `up` still running there: its own broker is the one to fix, nothing else said
+    (var / "up.lock").write_text(f"{os.getpid()}\n")
+    done = leasekeeper("health", "--broker", env=env, cwd=tmp_path)
+    assert done.returncode == 1 and "no longer running" not in done.stdout + done.stderr
+
+
+
+def test_the_default_broker_address_unreachable_says_how_to_start_one(
+    tmp_path: Path,
+) -> None:
+    # Before, on a new machine with nothing started: only "Start Redis there or fix the
+    # URL", about an address the user never chose. (The default address itself may have
+    # a Redis on a machine; the message is built the same way for any unreachable URL.)
+    from tasks.producer import broker_unreachable
+    from workers.up_lock import broker_hint
+
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("LEASEKEEPER_BROKER_URL", raising=False)
+        env.setenv("LEASEKEEPER_VAR_DIR", str(tmp_path / ".var"))  # no env file there
+        said = broker_unreachable(f"redis://127.0.0.1:{closed_port()}/0",
+                                  ConnectionRefusedError("Connection refused"))
+    assert ("LEASEKEEPER_BROKER_URL is not set, so this is the default address: "
+            "`leasekeeper up` (`make run` in a checkout) starts a broker") in said, said
+    assert broker_hint({"LEASEKEEPER_BROKER_URL": "redis://h:1/0"}, tmp_path / "env") == ""
