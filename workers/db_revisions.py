@@ -11,11 +11,11 @@ from sqlalchemy.exc import SQLAlchemyError
 from providers.errors import ConfigError
 from workers.preflight import (
     NewerStore,
-    _current_revisions,
-    _heads,
-    _newer_store,
-    _script,
     check_driver,
+    current_revisions,
+    migration_heads,
+    migration_script,
+    newer_store_message,
     shown,
     store_error,
     unknown_revisions,
@@ -58,8 +58,8 @@ class Where:
 
 def schema_position(url: str) -> Where:
     """Where the store's schema stands (its driver already checked: ``check_driver``)."""
-    current = tuple(sorted(_current_revisions(url)))
-    heads = tuple(sorted(_heads()))
+    current = tuple(sorted(current_revisions(url)))
+    heads = tuple(sorted(migration_heads()))
     if unknown_revisions(url, set(current)):
         return Where(SchemaPosition.NEWER, current, heads, ())
     if current == heads:
@@ -73,7 +73,7 @@ def _above(heads: tuple[str, ...], current: tuple[str, ...]) -> tuple[str, ...]:
     first: what `db upgrade` applies (the history is one line)."""
     (head,) = heads
     lower = current[0] if current else BASE
-    return tuple(reversed([r.revision for r in _script().iterate_revisions(head, lower)]))
+    return tuple(reversed([r.revision for r in migration_script().iterate_revisions(head, lower)]))
 
 
 @dataclass(frozen=True)
@@ -90,14 +90,14 @@ def plan_downgrade(url: str, revision: str) -> Downgrade:
     from alembic.util.exc import CommandError
 
     check_driver(url)
-    current = _current_revisions(url)
+    current = current_revisions(url)
     newer = unknown_revisions(url, current)
     if newer:
-        raise NewerStore(_newer_store(url, newer))
+        raise NewerStore(newer_store_message(url, newer))
     if not current:
         raise ConfigError(f"the store {shown(url)} was never migrated: there is nothing to "
                           "downgrade")
-    script = _script()
+    script = migration_script()
     target = BASE
     if revision != BASE:
         try:

@@ -120,7 +120,7 @@ def migrate(url: str, revision: str = "head") -> None:
     except CommandError as exc:
         newer = unknown_revisions(url)
         if newer:
-            raise NewerStore(_newer_store(url, newer)) from None
+            raise NewerStore(newer_store_message(url, newer)) from None
         raise ConfigError(
             f"cannot migrate the store {shown(url)} to {revision!r}: {exc}; leave "
             "--revision out to upgrade to the latest migration") from None
@@ -128,14 +128,15 @@ def migrate(url: str, revision: str = "head") -> None:
 
 def unknown_revisions(url: str, current: set[str] | None = None) -> list[str]:
     """The store's migrations that this leasekeeper does not have (a newer one ran)."""
-    return sorted((_current_revisions(url) if current is None else current) - _known())
+    return sorted((current_revisions(url) if current is None else current) - _known())
 
 
-def _newer_store(url: str, revisions: list[str]) -> str:
+def newer_store_message(url: str, revisions: list[str]) -> str:
+    latest = ", ".join(sorted(migration_heads()))
     return (f"the store {shown(url)} is at migration {', '.join(revisions)}, which this "
-            f"leasekeeper does not have (its latest is {', '.join(sorted(_heads()))}): a "
+            f"leasekeeper does not have (its latest is {latest}): a "
             "newer leasekeeper migrated it. Run that newer version against this store, or go "
-            f"back to this one with `leasekeeper db downgrade {', '.join(sorted(_heads()))} "
+            f"back to this one with `leasekeeper db downgrade {latest} "
             "--yes` run with that newer version, which has those migrations")
 
 
@@ -163,7 +164,7 @@ def check_store(url: str) -> None:
     where = schema_position(url)
     match where.position:
         case SchemaPosition.NEWER:
-            raise NewerStore(_newer_store(url, unknown_revisions(url, set(where.current))))
+            raise NewerStore(newer_store_message(url, unknown_revisions(url, set(where.current))))
         case SchemaPosition.NEVER_MIGRATED:
             raise ConfigError(f"the store {shown(url)} has no schema (it was never migrated): "
                               f"{UPGRADE}")
@@ -243,7 +244,7 @@ def refuse_a_store_unfit_to_start(process: str, *, writes: bool) -> None:
 
 
 @functools.cache
-def _script() -> Any:
+def migration_script() -> Any:
     """This leasekeeper's migrations (read once: the folder does not change)."""
     from alembic.script import ScriptDirectory
 
@@ -252,15 +253,15 @@ def _script() -> Any:
     return ScriptDirectory(str(MIGRATIONS))
 
 
-def _heads() -> set[str]:
-    return set(_script().get_heads())
+def migration_heads() -> set[str]:
+    return set(migration_script().get_heads())
 
 
 def _known() -> set[str]:
-    return {script.revision for script in _script().walk_revisions()}
+    return {script.revision for script in migration_script().walk_revisions()}
 
 
-def _current_revisions(url: str) -> set[str]:
+def current_revisions(url: str) -> set[str]:
     """The migrations the store records (empty: never migrated)."""
     from alembic.runtime.migration import MigrationContext
 

@@ -14,7 +14,7 @@ from sqlalchemy import create_engine, text
 from models.store import Store
 from tests.e2e.conftest import cli_env, leasekeeper
 from tests.e2e.test_cli_errors import a_lease, short_error
-from workers.preflight import _heads
+from workers.preflight import migration_heads
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -36,7 +36,7 @@ def revision_of(store_url: str) -> str | None:
 
 def test_a_release_is_rolled_back_and_forward_keeping_the_leases(store_url: str) -> None:
     # given a store at this leasekeeper's latest migration, holding a lease
-    (head,) = _heads()
+    (head,) = migration_heads()
     a_lease(store_url, LEASE)
     current = db(store_url, "current")
     assert current.returncode == 0, current.stderr
@@ -93,7 +93,7 @@ def test_a_revision_that_names_no_migration_is_refused(store_url: str, revision:
     refused = db(store_url, "downgrade", revision, "--yes")
     assert refused.returncode == 2
     short_error(refused, says, "`base`")
-    assert revision_of(store_url) == next(iter(_heads()))
+    assert revision_of(store_url) == next(iter(migration_heads()))
 
 
 def test_a_downgrade_above_the_store_is_refused_naming_upgrade(store_url: str) -> None:
@@ -116,7 +116,7 @@ def test_a_store_a_newer_leasekeeper_migrated_is_named_and_not_touched(store_url
         engine.dispose()
     current = db(store_url, "current")
     assert current.returncode == 1
-    (head,) = _heads()
+    (head,) = migration_heads()
     assert "0099_future, which this leasekeeper does not have" in current.stdout
     assert f"leasekeeper db downgrade {head} --yes` with that newer one" in current.stdout
     refused = db(store_url, "downgrade", "0009", "--yes")

@@ -14,14 +14,14 @@ import pytest
 from models.migrate import upgrade
 from tests.services import PostgresServer, RedisServer
 from tests.stack import REPO, WorkerStack
-from workers.preflight import _heads, _script
+from workers.preflight import migration_heads, migration_script
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def previous_revision() -> str:
-    (head,) = _heads()
-    down = _script().get_revision(head).down_revision
+    (head,) = migration_heads()
+    down = migration_script().get_revision(head).down_revision
     assert isinstance(down, str)
     return down
 

@@ -16,7 +16,7 @@ import pytest
 from models.migrate import upgrade
 from tests.services import PostgresServer
 from tests.stack import REPO
-from workers.preflight import _current_revisions
+from workers.preflight import current_revisions
 
 pytestmark = pytest.mark.postgres
 
@@ -45,7 +45,7 @@ def test_a_read_only_store_is_named_with_the_fix(postgres_server: PostgresServer
     code, out = db_upgrade(url)
     assert code == 2, out
     assert "read-only" in out and "primary" in out and "LEASEKEEPER_STORE_URL" in out, out
-    assert _current_revisions(url) == {"0011_perf12"}
+    assert current_revisions(url) == {"0011_perf12"}
 
 
 def test_a_user_without_rights_is_named_with_the_fix(postgres_server: PostgresServer) -> None:
@@ -60,4 +60,4 @@ def test_a_user_without_rights_is_named_with_the_fix(postgres_server: PostgresSe
     code, out = db_upgrade(url.replace("postgres@", f"{user}@"))
     assert code == 2, out
     assert "must be owner" in out and "lacks a right" in out and user in out, out
-    assert _current_revisions(url) == {"0011_perf12"}
+    assert current_revisions(url) == {"0011_perf12"}
