@@ -146,7 +146,8 @@ def acquire_lease(
             )
 
     try:
-        return _bind_new(rt, provider, spec, key, run_id, run.lease_id, task_id, may_retry)
+        return _bind_new(rt, provider, provider_name, spec, key, run_id, run.lease_id,
+                         task_id, may_retry)
     except RunRebound:
         # Another copy of this run's acquire, sent at once, bound the run to its sandbox
         # since the run was read (nothing of this copy's was written): the run's sandbox
@@ -155,8 +156,8 @@ def acquire_lease(
 
 
 def _bind_new(
-    rt: Runtime, provider: Provider, spec: SandboxSpec, key: str, run_id: str,
-    bound_lease: str | None, task_id: str | None, may_retry: bool,
+    rt: Runtime, provider: Provider, provider_name: str, spec: SandboxSpec, key: str,
+    run_id: str, bound_lease: str | None, task_id: str | None, may_retry: bool,
 ) -> Acquisition:
     """The run's sandbox when it has none (``bound_lease``: the ended lease it had when it
     was read, if any): the thread's live one (reuse), a pool's warm member, or a new one.
@@ -172,7 +173,6 @@ def _bind_new(
         if claimed is not None:
             return claimed
 
-    provider_name = provider.name
     try:
         intent = store.create_intent(_new_lease(rt, provider, spec, key, run_id), task_id,
                                      bound_lease)
