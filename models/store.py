@@ -783,18 +783,23 @@ class Store:
                 .values(acquire_deadline_at=until)))
 
     def touch(self, lease_id: str) -> Lease | None:
-        """Record activity: move the idle deadline of an active lease."""
+        """Record activity: move the idle deadline of an active lease. None (nothing
+        moved) for a lease that is not active, or past its absolute deadline (expired:
+        activity never saves it from that one; sweep.expire_leases ends it)."""
         with self.tx() as s:
             lease = s.get(Lease, lease_id)
             if lease is None:
                 raise NotFound(f"no lease {lease_id!r} in the store")
-            if lease.state != LeaseState.ACTIVE:
-                return None
             now = utcnow()
-            s.execute(update(Lease).where(Lease.lease_id == lease_id,
-                                          Lease.state == LeaseState.ACTIVE)
-                      .values(idle_deadline_at=now + timedelta(seconds=lease.idle_timeout_s),
-                              updated_at=now))
+            if lease.state != LeaseState.ACTIVE or lease.deadline_at <= now:
+                return None
+            moved = s.execute(update(Lease).where(Lease.lease_id == lease_id,
+                                                  Lease.state == LeaseState.ACTIVE,
+                                                  Lease.deadline_at > now)
+                              .values(idle_deadline_at=now + timedelta(
+                                  seconds=lease.idle_timeout_s), updated_at=now))
+            if _rowcount(moved) != 1:
+                return None
         return self.get_lease(lease_id)
 
     # The sweeps' reads and claims live in models/sweep_store.py.

@@ -45,6 +45,7 @@ from providers.base import (
     LeaseHandle,
     Provider,
     ResumeOutcome,
+    ResumeResult,
 )
 from providers.errors import (
     AcquireCleanupIncomplete,
@@ -61,7 +62,7 @@ from providers.spec import SandboxSpec, check_id, holds_secret, parse_spec
 from tasks import pool_claim, secret_marks
 from tasks.base import LeaseTask
 from tasks.destroy import destroy_lease
-from tasks.leases import handle, later, new_lease_id, sandbox_key
+from tasks.leases import expired, handle, later, new_lease_id, sandbox_key
 from tasks.redaction import is_secret_field, scrub_text
 from tasks.runs import clean_error
 from tasks.same_spec import require_same_spec
@@ -244,7 +245,9 @@ def _try_reuse(
         raise refused
     if live.state == LeaseState.PROVISIONING:
         raise TransientProviderError(f"sandbox key {key} is still provisioning; retrying")
-    check = provider.resume_check(handle(live), rt.settings.resume_timeout_s)
+    ended = expired(live)  # past its ttl: never handed to a run (tasks/leases.py)
+    check = (ResumeResult(ResumeOutcome.NOT_RESUMABLE, "expired: past its absolute deadline")
+             if ended else provider.resume_check(handle(live), rt.settings.resume_timeout_s))
     if check.outcome == ResumeOutcome.RESUMABLE:
         rt.store.bind_run(run_id, live.lease_id, key, bound_lease)
         rt.store.touch(live.lease_id)
@@ -252,7 +255,8 @@ def _try_reuse(
     # Not resumable (pods cannot be restarted in place): clean it up, then acquire fresh.
     marked = rt.store.transition(live.lease_id, {LeaseState.ACTIVE}, LeaseState.PENDING_CLEANUP,
                                  f"not resumable: {check.reason}", task_id,
-                                 end_reason="not_resumable", next_cleanup_at=utcnow())
+                                 end_reason="expired" if ended else "not_resumable",
+                                 next_cleanup_at=utcnow())
     if marked is not None:
         destroy_lease(rt, live.lease_id, "not resumable at reuse", task_id)
     return None

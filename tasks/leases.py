@@ -37,5 +37,11 @@ def handle(lease: AnyLease | ClaimedLease) -> LeaseHandle:
                        meta=dict(lease.provider_meta or {}))
 
 
+def expired(lease: AnyLease, now: datetime | None = None) -> bool:
+    """Past its absolute deadline (ttl_s): no activity saves it; sweep.expire_leases ends
+    it at its next tick, and nothing hands it to a run meanwhile."""
+    return lease.deadline_at is not None and lease.deadline_at <= (now or utcnow())
+
+
 def later(seconds: float) -> datetime:
     return utcnow() + timedelta(seconds=seconds)

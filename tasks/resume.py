@@ -16,7 +16,7 @@ from models.schema import LeaseState
 from providers.base import ResumeOutcome
 from tasks.base import LeaseTask
 from tasks.destroy import destroy
-from tasks.leases import handle, later
+from tasks.leases import expired, handle, later
 from workers.app import app
 from workers.runtime import Runtime
 
@@ -28,6 +28,7 @@ class ResumeCheck:
     reason: str = ""
     details: dict[str, Any] = field(default_factory=dict)
     destroy_enqueued: bool = False
+    destroy_reason: str = "not resumable"
 
     def as_dict(self) -> dict[str, Any]:
         return {"lease_id": self.lease_id, "outcome": str(self.outcome), "resumable":
@@ -39,6 +40,16 @@ def check_lease(rt: Runtime, lease_id: str, task_id: str | None) -> ResumeCheck:
     lease = rt.store.get_lease(lease_id)
     if lease.state != LeaseState.ACTIVE:
         return ResumeCheck(lease_id, ResumeOutcome.NOT_RESUMABLE, f"lease is {lease.state}")
+    if expired(lease):
+        # Past its absolute deadline (ttl): sweep.expire_leases would end it at its next
+        # tick; a run told "resumable" now would lose the sandbox under it. Ended here as
+        # the sweep ends it (whatever the provider would say).
+        reason = f"expired: past its absolute deadline ({lease.deadline_at:%Y-%m-%dT%H:%M:%S}Z)"
+        marked = rt.store.transition(
+            lease_id, {LeaseState.ACTIVE}, LeaseState.PENDING_CLEANUP, reason, task_id,
+            end_reason="expired", next_cleanup_at=later(rt.settings.claim_timeout_s))
+        return ResumeCheck(lease_id, ResumeOutcome.NOT_RESUMABLE, reason,
+                           destroy_enqueued=bool(marked), destroy_reason="expired")
     provider = rt.provider(lease.provider)
     result = provider.resume_check(handle(lease), rt.settings.resume_timeout_s)
     if result.outcome == ResumeOutcome.RESUMABLE:
@@ -59,6 +70,6 @@ def resume_check(self: LeaseTask, lease_id: str) -> dict[str, Any]:
     if checked.destroy_enqueued:
         # The claim above holds until claim_timeout_s: if this enqueue is lost, the
         # retry sweep picks the lease up after that.
-        destroy.apply_async(kwargs={"lease_id": lease_id, "reason": "not resumable"})
+        destroy.apply_async(kwargs={"lease_id": lease_id, "reason": checked.destroy_reason})
     return checked.as_dict()
 
