@@ -27,6 +27,8 @@ from providers.errors import (
     is_transient,
     provider_bug,
 )
+from providers.spec import MIN_SUBSTRING_SECRET_CHARS
+from tasks import secret_marks
 from tasks.base import LeaseTask
 from tasks.leases import handle, later
 from tasks.redaction import scrub_text
@@ -132,12 +134,28 @@ def _record_failure(
     return Destroyed(lease_id, DestroyResult.CLEANUP_PENDING, LeaseState.PENDING_CLEANUP, exc)
 
 
+def _without_marked_secrets(rt: Runtime, lease_id: str, reason: str) -> str:
+    """A caller's reason with the secrets of the lease's run and thread scrubbed, whichever
+    process saw them (tasks/secret_marks.py), as run.finish's error is: the reason is
+    stored and shown (events, the lease's end, its runs' error). The default reason, or
+    one too short to hold a secret, costs nothing; BrokerUnavailable (retried) when the
+    marks cannot be read, so a reason is never stored unsearched."""
+    if reason == DEFAULT_REASON or len(reason) < MIN_SUBSTRING_SECRET_CHARS:
+        return reason
+    lease = rt.store.get_lease(lease_id)
+    if lease.run_id is None and lease.thread_id is None:
+        return reason  # a pool member no run has had: no secret was ever given to it
+    marks = secret_marks.load(rt, lease.run_id or "", lease.thread_id)
+    return secret_marks.scrub(reason, marks, limit_chars=REASON_MAX_CHARS)
+
+
 @app.task(bind=True, base=LeaseTask, name="lease.destroy")
 def destroy(self: LeaseTask, lease_id: str, reason: str = DEFAULT_REASON) -> dict[str, Any]:
     if not isinstance(reason, str):
         raise InvalidRequest("invalid lease.destroy payload: reason must be a string; got "
                              f"{type(reason).__name__}")
     with self.retrying():
+        reason = _without_marked_secrets(self.runtime, lease_id, reason)
         done = destroy_lease(self.runtime, lease_id, reason, self.request.id)
     if done.error is not None:
         raise done.error  # loud in Flower; the lease itself waits for sweep.retry_cleanup

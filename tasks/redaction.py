@@ -46,10 +46,12 @@ SMALL_BODY_BYTES = 16 * 1024  # a message body this small has its reprs built th
 LOG_MAX_CHARS = 4000  # one log message (its traceback is cut separately)
 TRACEBACK_MAX_CHARS = 16000
 # Free-text fields of a task never shown in a repr, only their length: run.finish's error
-# quotes whatever the run printed, secrets of a run this process never saw included (the
-# stored error is scrubbed by the secret marks, tasks/secret_marks.py, which a repr built
-# in the worker's main process must not wait for). Field name -> position when positional.
-HIDDEN_FIELDS: dict[str, dict[str, int]] = {"run.finish": {"error": 3}}
+# quotes whatever the run printed, and lease.destroy's reason whatever its caller wrote,
+# secrets of a run this process never saw included (the stored text is scrubbed by the
+# secret marks, tasks/secret_marks.py, which a repr built in the worker's main process
+# must not wait for). Field name -> position when positional.
+HIDDEN_FIELDS: dict[str, dict[str, int]] = {"run.finish": {"error": 3},
+                                            "lease.destroy": {"reason": 1}}
 _KNOWN_MAX = 1024
 
 

@@ -143,6 +143,51 @@ def test_a_finish_error_shows_only_its_length_on_a_worker_that_never_saw_the_sec
         assert stored.error == "401 from api: Authorization: Bearer *** refused"
 
 
+def test_a_destroy_reason_shows_only_its_length_and_is_stored_scrubbed_anywhere(
+        stack: WorkerStack, events: EventLog, redis_server: RedisServer) -> None:
+    # Before (a QA pass): a reason quoting a run's secret showed in Flower for every
+    # destroy, and was stored and shown in clear (`leases show`, `runs show`, the console)
+    # whenever the destroy ran in another process than the run's acquire.
+    from tasks.producer import destroy_lease
+
+    rt = stack.runtime()
+    first = stack.start_worker(concurrency=1)
+    events.listening()
+    run_a, run_b = f"run-a-{uuid.uuid4().hex[:8]}", f"run-b-{uuid.uuid4().hex[:8]}"
+    lease_a = acquire(run_a, secret_env={"API_TOKEN": SECRET})
+    lease_b = acquire(run_b, thread_id=f"th-{CORE[:6]}", reuse=True,
+                      secret_env={"API_TOKEN": SECRET})
+    all_acked(stack, redis_server)
+    stack.kill_worker(first)  # the only process that saw the secret
+    stack.start_worker(concurrency=1)
+    reason = f"user cancelled; token {SECRET} revoked"
+
+    by_producer = destroy_lease(lease_a, reason)
+    by_producer.get(90)
+    client = plain_client(redis_server.url, stack.name)  # sends the full repr
+    by_name_raw = client.send_task("lease.destroy",
+                                   kwargs={"lease_id": lease_b, "reason": reason})
+    by_name_raw.get(90)
+    positional = client.send_task("lease.destroy", args=[lease_b, reason])
+    with pytest.raises(Exception, match="keyword arguments only"):
+        positional.get(90)  # refused, and its repr hid the reason all the same
+
+    shown = f"<reason: {len(reason)} chars>"
+    assert shown in events.of(by_producer.id, "task-sent")["kwargs"]
+    for task_id in (by_producer.id, by_name_raw.id):
+        assert shown in events.of(task_id, "task-received")["kwargs"]
+    assert shown in events.of(positional.id, "task-received")["args"]
+    assert not [e for e in events.events if CORE in json.dumps(e)]
+    assert CORE not in stack.logfile.read_text(errors="replace")
+    for lease_id, run_id in ((lease_a, run_a), (lease_b, run_b)):
+        lease = rt.store.get_lease(lease_id)
+        assert lease.state == "destroyed" and lease.end_reason is not None
+        assert "***" in lease.end_reason and CORE not in lease.end_reason
+        assert not [e.reason for e in rt.store.events(lease_id) if CORE in (e.reason or "")]
+        run = rt.store.get_run(run_id)
+        assert run is not None and CORE not in (run.error or "")
+
+
 def test_a_secret_repeated_elsewhere_in_an_acquire_shows_nowhere(
         stack: WorkerStack, events: EventLog, redis_server: RedisServer) -> None:
     rt = stack.runtime()
