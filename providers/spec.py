@@ -310,6 +310,10 @@ class SandboxSpec(BaseModel):
         if ids:
             raise ValueError(f"{', '.join(ids)} holds a secret_env value; it is stored and "
                              "shown in clear: use another id")
+        if self.image is not None and holds_secret(self.image, secrets):
+            raise ValueError("image holds a secret_env value; an image reference is sent in "
+                             "clear (the pod's spec, the kubelet's pull): give registry "
+                             "credentials through the namespace's imagePullSecrets")
         # env and the command are the sandbox's spec in clear (a Kubernetes pod's spec,
         # readable by whoever may read pods; a local process's argv and environ): a
         # secret there would reach the sandbox outside secret_env's per-run Secret.

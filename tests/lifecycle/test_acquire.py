@@ -218,6 +218,9 @@ def test_unknown_provider_is_refused_before_anything_is_written(rt: Runtime) -> 
     ("r", {"command": ["sh", "-c", "curl -H 'Bearer a123456'"], "secret_env": {"X": "a123456"}},
      r"command argument 2 \(counted from 0\) holds a secret_env value"),
     ("run-a123456", {"secret_env": {"X": "a123456"}}, r"run_id holds a secret_env value"),
+    # and the image reference (the pod's spec, the kubelet's pull); before, accepted
+    ("r", {"image": "registry.example/x:a123456", "secret_env": {"X": "a123456"}},
+     r"image holds a secret_env value; an image reference is sent in clear"),
 ])
 def test_malformed_payloads_are_clear_and_leak_nothing(run_id: str, spec: dict[str, object],
                                                        message: str) -> None:
