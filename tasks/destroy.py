@@ -43,6 +43,16 @@ REASON_MAX_CHARS = 200  # what a destroy's event keeps of its reason
 END_REASON_MAX_CHARS = 64  # what the lease's end_reason (and its runs' error) keeps
 
 
+def checked_reason(reason: object) -> str:
+    """A destroy payload's reason: a string, or null (JSON's "none given": the default)."""
+    if reason is None:
+        return DEFAULT_REASON
+    if not isinstance(reason, str):
+        raise InvalidRequest("invalid lease.destroy payload: reason must be a string or "
+                             f"null; got {type(reason).__name__}")
+    return reason
+
+
 def clean_reason(reason: str) -> str:
     """A destroy reason as the store keeps it: secrets scrubbed, what no store holds
     replaced (tasks/text.py), trimmed, at most REASON_MAX_CHARS; blank: "requested"."""
@@ -150,10 +160,9 @@ def _without_marked_secrets(rt: Runtime, lease_id: str, reason: str) -> str:
 
 
 @app.task(bind=True, base=LeaseTask, name="lease.destroy")
-def destroy(self: LeaseTask, lease_id: str, reason: str = DEFAULT_REASON) -> dict[str, Any]:
-    if not isinstance(reason, str):
-        raise InvalidRequest("invalid lease.destroy payload: reason must be a string; got "
-                             f"{type(reason).__name__}")
+def destroy(self: LeaseTask, lease_id: str,
+            reason: str | None = DEFAULT_REASON) -> dict[str, Any]:
+    reason = checked_reason(reason)
     with self.retrying():
         reason = _without_marked_secrets(self.runtime, lease_id, reason)
         done = destroy_lease(self.runtime, lease_id, reason, self.request.id)

@@ -23,7 +23,7 @@ from kombu.exceptions import OperationalError
 from providers.errors import BrokerUnavailable, InvalidRequest
 from providers.spec import SandboxSpec, check_id
 from tasks.acquire import acquire, parse_acquire
-from tasks.destroy import clean_reason, destroy
+from tasks.destroy import checked_reason, clean_reason, destroy
 from tasks.reclaim import reclaim
 from tasks.resume import resume_check
 from tasks.runs import attach_run as _attach
@@ -172,12 +172,9 @@ def check_resumable(lease_id: str) -> AsyncResult:
     return _send(resume_check, {"lease_id": _id("lease_id", lease_id)})
 
 
-def destroy_lease(lease_id: str, reason: str = "requested") -> AsyncResult:
-    if not isinstance(reason, str):
-        raise InvalidRequest(f"invalid lease.destroy payload: reason must be a string; got "
-                             f"{type(reason).__name__}")
+def destroy_lease(lease_id: str, reason: str | None = "requested") -> AsyncResult:
     return _send(destroy, {"lease_id": _id("lease_id", lease_id),
-                           "reason": clean_reason(reason)})
+                           "reason": clean_reason(checked_reason(reason))})
 
 
 def finish_run(run_id: str, status: str, exit_code: int | None = None,

@@ -91,8 +91,8 @@ def test_producer_validates_before_enqueueing() -> None:
         producer.finish_run("run-x", "done")
     with pytest.raises(InvalidRequest, match="lease_id must be"):
         producer.destroy_lease("../etc")
-    with pytest.raises(InvalidRequest, match="reason must be a string; got NoneType"):
-        producer.destroy_lease("lease-1", reason=None)  # type: ignore[arg-type]
+    with pytest.raises(InvalidRequest, match="reason must be a string or null; got int"):
+        producer.destroy_lease("lease-1", reason=5)  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest, match="error must be a string or null"):
         producer.finish_run("run-x", "failed", error={"x": 1})  # type: ignore[arg-type]
     with pytest.raises(InvalidRequest, match="exit_code must be an integer from"):
