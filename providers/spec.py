@@ -65,7 +65,9 @@ def echo(value: object) -> str:
     text = repr(value) if isinstance(value, str) else type(value).__name__
     if len(text) <= ECHO_MAX_CHARS:
         return text
-    return f"{text[:ECHO_MAX_CHARS]}... ({len(text)} chars)"
+    # the length is the value's own (its repr adds quotes and escapes)
+    size = len(value) if isinstance(value, str) else len(text)
+    return f"{text[:ECHO_MAX_CHARS]}... ({size} chars)"
 
 
 def holds_secret(text: str, secrets: Collection[str]) -> bool:
