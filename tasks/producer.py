@@ -32,7 +32,13 @@ from tasks.runs import detach_run as _detach
 from tasks.runs import finish_run as _finish
 from tasks.runs import touch_lease as _touch
 from workers.pool_settings import resolve_spec
-from workers.settings import PROVIDER_NAMES, Settings, env_file_path, get_settings
+from workers.settings import (
+    OFFERED_PROVIDERS,
+    PROVIDER_NAMES,
+    Settings,
+    env_file_path,
+    get_settings,
+)
 from workers.up_lock import broker_hint
 
 
@@ -164,7 +170,7 @@ def check_provider(name: str, settings: Settings) -> None:
     elif name not in PROVIDER_NAMES:
         raise InvalidRequest(
             f"unknown provider {name!r}: leasekeeper has the providers "
-            f"{', '.join(PROVIDER_NAMES)}; name one the workers enable "
+            f"{OFFERED_PROVIDERS}; name one the workers enable "
             "(their LEASEKEEPER_PROVIDERS)")
 
 

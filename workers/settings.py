@@ -33,6 +33,8 @@ STORE_SCHEMES = ("sqlite", "postgresql")
 BROKER_SCHEMES = ("redis", "rediss", "unix")
 # what workers/runtime.py's PROVIDER_FACTORIES builds (its import checks the two agree)
 PROVIDER_NAMES = ("local", "kubernetes", "noop", "faulty")
+# What messages offer: faulty (fault injection) is for leasekeeper's own tests
+OFFERED_PROVIDERS = ", ".join(p for p in PROVIDER_NAMES if p != "faulty")
 log = logging.getLogger("leasekeeper.settings")
 
 
@@ -198,7 +200,7 @@ class Settings(BaseSettings):
         if unknown or not value:
             raise ValueError(
                 (f"unknown provider(s) {', '.join(map(repr, unknown))}" if unknown else
-                 "no provider given") + f"; leasekeeper has {', '.join(PROVIDER_NAMES)} "
+                 "no provider given") + f"; leasekeeper has {OFFERED_PROVIDERS} "
                 "(a comma-separated list, e.g. local,kubernetes)")
         return value
 
