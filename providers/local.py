@@ -256,7 +256,10 @@ class LocalProvider:
         if not found:
             raise TerminalProviderError(
                 f"local: command {echo(program)} not found "
-                + ("(not an executable file)" if "/" in program else f"on PATH {echo(path)}")
+                + ("(not an executable file)" if "/" in program else
+                   # the worker's own PATH is not quoted: the message is a task result
+                   "on the sandbox's PATH (env.PATH)" if "PATH" in spec.env else
+                   "on the worker's PATH")
                 + "; install it, give its absolute path, or set env.PATH"
             )
 

@@ -278,6 +278,21 @@ def test_an_unknown_backend_of_the_local_and_noop_providers_is_refused(rt: Runti
     rt.provider("noop").check_spec(SandboxSpec(backend="none"))
 
 
+def test_a_command_not_found_names_whose_path_without_quoting_the_workers(
+    rt: Runtime,
+) -> None:
+    # Before (a QA pass): "... not found on PATH '/root/.cargo/bin:...' (176 chars)", the
+    # worker's own PATH in a task result any web client reads.
+    local = rt.provider("local")
+    with pytest.raises(TerminalProviderError) as err:
+        local.check_spec(SandboxSpec(command=["no-such-command-here"]))
+    assert "command 'no-such-command-here' not found on the worker's PATH" in str(err.value)
+    assert os.environ["PATH"] not in str(err.value) and "/bin" not in str(err.value)
+    with pytest.raises(TerminalProviderError, match=r"on the sandbox's PATH \(env\.PATH\)"):
+        local.check_spec(SandboxSpec(command=["no-such-command-here"],
+                                     env={"PATH": "/nowhere"}))
+
+
 def test_quantities_compare_by_value() -> None:
     assert quantity_value("500m") == Decimal("0.5") and quantity_value("2") == 2
     assert quantity_value("1Gi") > quantity_value("1000Mi") > quantity_value("1G")
