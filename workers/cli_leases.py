@@ -90,10 +90,15 @@ def leases_list(state: StateOpt = None, provider: ProviderOpt = None, tenant: Te
                 older_than: OlderOpt = None, pool: PoolOpt = None, limit: LimitOpt = 50,
                 before: BeforeOpt = None, as_json: JsonOpt = False) -> None:
     """List leases, newest first, a page at a time (--before for the next page)."""
+    from providers.errors import NotFound
+
+    store = runtime().store
     if before is not None:
         check_option_id("--before", before)
-    page = lease_page(runtime().store, _filter(state, provider, tenant, older_than, pool),
-                      limit, before)
+        if store.find_lease(before) is None:  # else the newest, as if unfiltered
+            raise NotFound(f"no lease {before[:64]!r} to list leases before; pass the lease "
+                           "id the previous page named (--before)")
+    page = lease_page(store, _filter(state, provider, tenant, older_than, pool), limit, before)
     if as_json:
         emit_json(page_json("leases", [lease_json(x) for x in page.rows], page))
         return
@@ -125,9 +130,13 @@ def resolve(lease_id: str) -> Lease:
     if matches:  # ambiguous: bad input (exit 2), not a lease that does not exist
         raise InvalidRequest(f"several leases' ids start with {lease_id[:64]!r} (e.g. "
                              f"{', '.join(matches)}): give more of the id")
+    if store.get_run(lease_id) is not None:
+        raise NotFound(f"no lease {lease_id!r} in the store; {lease_id!r} is a run: "
+                       f"`leasekeeper runs show {lease_id}`")
     hint = "`leasekeeper leases list` shows the ids"
-    if len(lease_id) < MIN_PREFIX:
-        hint = f"a prefix needs at least {MIN_PREFIX} characters; {hint}"
+    if len(lease_id) < MIN_PREFIX:  # bad input (exit 2), not a lease that does not exist
+        raise InvalidRequest(f"a lease id prefix needs at least {MIN_PREFIX} characters; "
+                             f"got {lease_id!r}; {hint}")
     raise NotFound(f"no lease {lease_id[:64]!r} in the store; {hint}")
 
 
@@ -257,7 +266,8 @@ def leases_destroy(
                    "`leasekeeper leases show <id>` shows when each ends")
     if page is not None and beyond:
         error_line(f"{page.total_text} lease(s) match and --limit {page.limit} took the newest "
-                   f"{len(targets)}: {beyond}{'+' if page.total_capped else ''} more were not "
+                   f"{len(targets)}: {beyond}{'+' if page.total_capped else ''} more "
+                   f"{'was' if beyond == 1 and not page.total_capped else 'were'} not "
                    "destroyed; run the same command again for the next ones, or raise --limit "
                    f"(at most {MAX_LIMIT})")
     raise typer.Exit(ExitCode.NEEDS_ATTENTION if failed or queued or running or beyond

@@ -82,6 +82,10 @@ def up(
     """Bring up Redis (unless LEASEKEEPER_BROKER_URL is set), a worker, beat and Flower."""
     from workers.up_lock import hold_var_dir
 
+    if exit_after_demo and not demo:  # else ignored, and up would run until Ctrl-C
+        raise typer.BadParameter("--exit-after-demo needs --demo N (N >= 1): add --demo N, "
+                                 "or drop --exit-after-demo to keep up running",
+                                 param_hint="--exit-after-demo")
     signals = StopSignals()
     signals.install()
     settings = load_settings(read_env_file=False)  # a stale env file must not steer `up`

@@ -51,9 +51,10 @@ def _port(settings: Settings, field: str, variable: str) -> int:
     if field not in settings.model_fields_set or port == 0:
         return free_port()
     if not port_is_free(port):
-        raise ConfigError(f"{variable}={port}: port {port} is taken by another process "
-                          f"(another `leasekeeper up`?); free it, or unset {variable} for "
-                          "a free port")
+        host = getattr(settings, field.replace("_port", "_host"))
+        raise ConfigError(f"{variable}={port}: {host}:{port} is taken by another process "
+                          f"(another `leasekeeper up`?); free it, or set {variable}=0 for "
+                          "any free port")
     return port
 
 

@@ -170,7 +170,7 @@ def test_a_filtered_destroy_past_its_limit_says_more_match(stack: WorkerStack) -
     assert [(d["lease_id"], d["result"]) for d in answer["destroyed"]] == [
         (leases[2], "destroyed"), (leases[1], "destroyed")]
     assert answer["more_matching"] == 1
-    assert "3 lease(s) match and --limit 2 took the newest 2: 1 more were not destroyed; " \
+    assert "3 lease(s) match and --limit 2 took the newest 2: 1 more was not destroyed; " \
         "run the same command again for the next ones" in first.stderr
     # Going on as it says ends the rest, and then it has nothing more to say.
     rest = leasekeeper("leases", "destroy", "--state", "active", "--tenant", tenant,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import insert
 
-from models.schema import Lease, LeaseState, utcnow
+from models.schema import Lease, LeaseState, Run, utcnow
 from models.store import Store
 from tasks.leases import new_lease_id
 from tests.e2e.conftest import cli_env, leasekeeper
@@ -150,15 +150,17 @@ def test_the_destroy_preview_is_json_with_json_and_exits_0(store: Store,
     assert {store.get_lease(x).state for x in active} == {LeaseState.ACTIVE}
 
 
-def test_a_prefix_shorter_than_8_characters_says_so(store: Store, env: dict[str, str]
-                                                    ) -> None:
-    # Before: "no lease ...; `leasekeeper leases list` shows the ids".
+def test_a_prefix_shorter_than_8_characters_is_bad_input(store: Store, env: dict[str, str]
+                                                          ) -> None:
+    # Before: "no lease ...; `leasekeeper leases list` shows the ids"; then "no lease
+    # '01a2' in the store; a prefix needs at least 8 characters", exit 4 (no such lease).
     lease_id = add(store, LeaseState.ACTIVE)
     for command in ("show", "retry", "forget"):
-        one_line(leasekeeper("leases", command, lease_id[:7], env=env), 4,
-                 repr(lease_id[:7]), "at least 8 characters")
+        line = one_line(leasekeeper("leases", command, lease_id[:7], env=env), 2,
+                        f"a lease id prefix needs at least 8 characters; got {lease_id[:7]!r}")
+        assert "no lease" not in line
     done = leasekeeper("leases", "destroy", lease_id[:7], env=env)
-    assert done.returncode == 4 and "at least 8 characters" in done.stderr, done.stderr
+    assert done.returncode == 2 and "at least 8 characters" in done.stderr, done.stderr
     shown = leasekeeper("leases", "show", lease_id[:8], "--json", env=env)
     assert shown.returncode == 0 and lease_id in shown.stdout, shown.stderr
 
@@ -229,3 +231,58 @@ def test_an_undecodable_filter_is_bad_input(store: Store, env: dict[str, str],
     # Before: "unexpected UnicodeEncodeError ... This is a leasekeeper bug", exit 1.
     add(store, LeaseState.ACTIVE)
     refused(leasekeeper(*args, env=env), args[-2], "not valid text")
+
+
+@pytest.mark.parametrize("run_id", ["exp-1", "experiment-1"])
+def test_a_run_id_given_as_a_lease_names_the_runs_command(store: Store, env: dict[str, str],
+                                                         run_id: str) -> None:
+    # Before: "no lease 'exp-1' in the store; a prefix needs at least 8 characters".
+    add(store, LeaseState.ACTIVE)
+    with store.tx() as s:
+        s.execute(insert(Run).values(run_id=run_id, status="running", provider="noop"))
+    one_line(leasekeeper("leases", "show", run_id, env=env), 4,
+             f"no lease {run_id!r} in the store; {run_id!r} is a run: "
+             f"`leasekeeper runs show {run_id}`")
+    # an id that is no run gets no such hint
+    line = one_line(leasekeeper("leases", "show", "nosuch-lease-id", env=env), 4,
+                    "no lease 'nosuch-lease-id' in the store")
+    assert "is a run" not in line
+
+
+def test_leases_list_before_an_unknown_lease_is_refused(store: Store, env: dict[str, str]
+                                                        ) -> None:
+    # Before: exit 0 with the newest leases, as if --before were not given.
+    lease_id = add(store, LeaseState.ACTIVE)
+    for args in (["--before", "zzz"], ["--before", "zzz", "--json"]):
+        done = leasekeeper("leases", "list", *args, env=env)
+        one_line(done, 4, "no lease 'zzz' to list leases before; pass the lease id the "
+                 "previous page named (--before)")
+        assert lease_id not in done.stdout
+    listed = leasekeeper("leases", "list", "--before", lease_id, "--json", env=env)
+    assert listed.returncode == 0, listed.stderr
+    assert json.loads(listed.stdout)["leases"] == []
+
+
+def test_a_destroy_past_its_limit_says_how_many_more_in_good_grammar(
+        store: Store, env: dict[str, str], redis_server: RedisServer) -> None:
+    # Before: "1 more were not destroyed".
+    import redis
+
+    queue = f"noworker-{uuid.uuid4().hex[:8]}"  # no worker: each destroy stays queued
+    env = {**env, "LEASEKEEPER_BROKER_URL": redis_server.url,
+           "LEASEKEEPER_TASK_QUEUE": queue}
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    for _ in range(3):
+        add(store, LeaseState.ACTIVE, tenant)
+    try:
+        for limit, more in (("2", "1 more was not destroyed"),
+                            ("1", "2 more were not destroyed")):
+            done = leasekeeper("leases", "destroy", "--state", "active", "--tenant", tenant,
+                               "--yes", "--limit", limit, "--wait", "0.2", env=env)
+            assert done.returncode == 1, done.stdout + done.stderr
+            assert f"took the newest {limit}: {more}; run the same command again" \
+                in done.stderr, done.stderr
+    finally:
+        client = redis.Redis.from_url(redis_server.url)
+        for key in client.scan_iter(f"{queue}*"):
+            client.delete(key)

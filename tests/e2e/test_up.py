@@ -228,6 +228,38 @@ def test_a_second_up_gets_its_own_flower_or_fails_naming_the_port(tmp_path: Path
             second.interrupt()
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("demo", [[], ["--demo", "0"]], ids=["no-demo", "demo-0"])
+def test_exit_after_demo_without_a_demo_is_refused_at_once(tmp_path: Path,
+                                                           demo: list[str]) -> None:
+    # Before: --exit-after-demo was ignored and up ran until Ctrl-C.
+    done = leasekeeper("up", *demo, "--exit-after-demo",
+                       env=user_env(LEASEKEEPER_VAR_DIR=str(tmp_path)), timeout_s=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "--exit-after-demo needs --demo N (N >= 1)" in done.stderr
+    assert "Traceback" not in done.stderr and "starting" not in done.stdout
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("variable", ["LEASEKEEPER_CONSOLE_PORT", "LEASEKEEPER_METRICS_PORT"])
+def test_a_taken_observer_port_says_to_set_0_as_flower_does(tmp_path: Path,
+                                                            variable: str) -> None:
+    # Before: "unset LEASEKEEPER_CONSOLE_PORT for a free port", while Flower's said
+    # "set LEASEKEEPER_FLOWER_PORT=0 for any free port" (and 0 works for both).
+    with socket.socket() as taken:
+        taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        refused = leasekeeper("up", env=user_env(**{variable: str(port)},
+                                                 LEASEKEEPER_VAR_DIR=str(tmp_path)),
+                              timeout_s=280)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert f"{variable}={port}: 127.0.0.1:{port} is taken" in refused.stderr
+    assert f"set {variable}=0 for any free port" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
 @pytest.mark.timeout(300)
 def test_a_child_that_cannot_start_fails_up_with_its_log(tmp_path: Path) -> None:
     # Before: "['.../python3', '-m', 'celery', '-A', 'workers.app', 'flow exited with 2
