@@ -172,6 +172,7 @@ def _destroy_demo_leases(runs: list[str], wait_s: float | None = None) -> None:
     demo's own reclaim: ``in_progress``); at most ``wait_s`` in all (DEMO_DESTROY_WAIT_S),
     then `_what_stays_running` names what is left."""
     from models.schema import LeaseState, RunStatus
+    from tasks.destroy import DESTROYABLE
     from workers.runtime import get_runtime
 
     store = get_runtime().store
@@ -186,8 +187,7 @@ def _destroy_demo_leases(runs: list[str], wait_s: float | None = None) -> None:
                     waiting.append(run_id)  # its acquire is under way
                 continue
             lease = store.get_lease(run.lease_id)
-            if lease.state in (LeaseState.ACTIVE, LeaseState.PROVISIONING,
-                               LeaseState.PENDING_CLEANUP) and lease.lease_id not in asked:
+            if lease.state in DESTROYABLE and lease.lease_id not in asked:
                 asked[lease.lease_id] = _destroy_one(lease.lease_id)
                 lease = store.get_lease(lease.lease_id)
             if lease.state in (LeaseState.PROVISIONING, LeaseState.DESTROYING):
@@ -301,6 +301,7 @@ def _watch(backend: object, stop: threading.Event) -> bool:
 
 def _what_stays_running() -> None:
     """Leases are not ended by stopping leasekeeper: say which and how to end them."""
+    from models.observe import WAITING_FOR_CLEANUP
     from models.schema import LeaseState
     from workers.runtime import get_runtime
 
@@ -321,8 +322,7 @@ def _what_stays_running() -> None:
     counts = ", ".join(f"{n} {state}" for state, n in sorted(by_state.items())) or "no"
     say(f"stays running after leasekeeper stops: {counts} lease(s) and "
         f"{len(sandboxes)} sandbox(es) ({', '.join(sandboxes) or 'none'}).")
-    ending = sum(n for state, n in by_state.items()
-                 if state in (LeaseState.PENDING_CLEANUP, LeaseState.DESTROYING))
+    ending = sum(n for state, n in by_state.items() if state in WAITING_FOR_CLEANUP)
     if ending:
         say(f"{ending} lease(s) being destroyed: the cleanup sweep finishes their destroy "
             "when leasekeeper runs again")
