@@ -147,5 +147,8 @@ class LeaseTask(Task):  # type: ignore[misc]
                         before_retry(countdown)
                 log.warning("%s[%s] transient failure, retry %d in %.1fs: %s", self.name,
                             self.request.id, self.request.retries + 1, countdown, exc)
-                raise self.retry(exc=exc, countdown=countdown) from None
+                # max_retries: the setting, not the task's attribute (Celery's default, 3),
+                # which Task.retry would otherwise enforce under may_retry's check.
+                raise self.retry(exc=exc, countdown=countdown,
+                                 max_retries=self.runtime.settings.task_max_retries) from None
             raise
