@@ -82,9 +82,13 @@ def finish(
     the secret marks of the run and its thread: BrokerUnavailable (transient) when they
     cannot be read, and nothing is stored."""
     run = rt.store.get_run(run_id)
-    if error:
-        error = clean_error(error, secret_marks.load(rt, run_id, run.thread_id if run else None))
     lease = rt.store.find_lease(run.lease_id) if run and run.lease_id else None
+    if error:
+        marks = secret_marks.load(rt, run_id, run.thread_id if run else None)
+        if lease is not None and marks.lost(lease.spec):
+            error = secret_marks.withheld(error, "error")
+        else:
+            error = clean_error(error, marks)
     reclaim_due = status != RunStatus.INTERRUPTED and not (lease is not None and lease.reuse)
     change = rt.store.finish_run(run_id, status, exit_code, error, reclaim_due=reclaim_due,
                                  claim_until=later(rt.settings.claim_timeout_s))

@@ -8,7 +8,10 @@ thread shares the sandbox, and its environment), kept ``MARKS_TTL_S``: for each 
 length and a keyed BLAKE2b digest of it, never the value. ``run.finish`` loads the marks of
 its run and thread and replaces every window of the error text whose digest is a mark
 (:func:`scrub`). Marks that cannot be read raise ``BrokerUnavailable`` (transient: the
-finish is retried), so an error is never stored unsearched.
+finish is retried), so an error is never stored unsearched. Each acquire's marks include
+:data:`RECORDED`, so marks that Redis lost since (a Redis without persistence restarted,
+a flush) are told from marks never left: a lease whose spec had ``secret_env`` and whose
+marks are gone gets its text withheld (:func:`withheld`), not stored unsearched.
 
 The digest key is ``LEASEKEEPER_SECRET_MARKS_KEY`` when set (every worker of the
 installation must have the same); else one derived from the installation id, which keeps
@@ -32,6 +35,9 @@ from workers.settings import Settings
 MARKS_TTL_S = 7 * 24 * 3600  # longer than any run is expected to last, then gone
 DIGEST_BYTES = 16
 _PERSON = b"lk-secret-mark"  # BLAKE2b personalization: these digests are for nothing else
+# Left with every acquire's marks, even when no value is long enough to be searched for:
+# the marks of a run or thread are there, so their absence means they were lost.
+RECORDED = "recorded"
 
 
 def digest_key(settings: Settings) -> bytes:
@@ -70,9 +76,9 @@ def _unreachable(rt: Runtime, doing: str, exc: redis.RedisError) -> BrokerUnavai
 def leave(rt: Runtime, run_id: str, thread_id: str | None, secrets: Mapping[str, str]) -> None:
     """Record the marks of an acquire's secret values for its run and thread (idempotent;
     each write renews the TTL). BrokerUnavailable when Redis cannot take them."""
-    marks = marks_of(digest_key(rt.settings), secrets.values())
-    if not marks:
+    if not secrets:
         return
+    marks = [RECORDED, *marks_of(digest_key(rt.settings), secrets.values())]
     keys = [_run_key(rt.settings, run_id)]
     if thread_id is not None:
         keys.append(_thread_key(rt.settings, thread_id))
@@ -88,19 +94,35 @@ def leave(rt: Runtime, run_id: str, thread_id: str | None, secrets: Mapping[str,
 
 @dataclass(frozen=True)
 class Marks:
-    """The digest key and the marks to search for, by length (longest first)."""
+    """The digest key and the marks to search for, by length (longest first);
+    ``recorded``: an acquire left marks that are still there (any mark, or RECORDED)."""
 
     key: bytes
     by_length: dict[int, frozenset[str]]
+    recorded: bool = False
 
     @classmethod
     def of(cls, key: bytes, marks: Iterable[str]) -> Marks:
         by_length: dict[int, set[str]] = {}
+        recorded = False
         for mark in marks:
+            recorded = True
             length, _, hexdigest = mark.partition(":")
             if length.isdigit() and hexdigest:
                 by_length.setdefault(int(length), set()).add(hexdigest)
-        return cls(key, {n: frozenset(by_length[n]) for n in sorted(by_length, reverse=True)})
+        return cls(key, {n: frozenset(by_length[n]) for n in sorted(by_length, reverse=True)},
+                   recorded)
+
+    def lost(self, spec: Mapping[str, object] | None) -> bool:
+        """The lease whose (stored, redacted) ``spec`` this is was given secrets, and their
+        marks are gone: a text quoting them cannot be searched."""
+        return bool((spec or {}).get("secret_env")) and not self.recorded
+
+
+def withheld(text: str, what: str) -> str:
+    """What is stored instead of ``text`` (a ``what``) whose secret marks are lost."""
+    return (f"[{what} withheld: {len(text)} chars that could not be searched for the run's "
+            "secrets; their marks are gone from the broker's Redis since the acquire]")
 
 
 def load(rt: Runtime, run_id: str, thread_id: str | None) -> Marks:

@@ -146,6 +146,13 @@ class Supervisor:
 
     def stop(self, names: list[str] | None = None) -> None:
         chosen = [(n, p) for n, p in self.procs.items() if names is None or n in names]
+        # The broker last: what the others ack or store on their way out reaches it, and
+        # its snapshot.
+        self._stop([(n, p) for n, p in chosen if n != "redis"])
+        self._stop([(n, p) for n, p in chosen if n == "redis"])
+
+    @staticmethod
+    def _stop(chosen: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
         for _name, proc in reversed(chosen):
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)
@@ -277,8 +284,16 @@ def embedded_backend(settings: Settings, extra_env: dict[str, str],
             broker = settings.broker_url
         else:
             port = free_port()
+            # Its data (queued tasks, results, the secret marks) outlives a restart of
+            # `up`: a snapshot in the var dir, written when Redis stops (it stops last) and
+            # hourly. A snapshot, not an append-only file: that would keep every message
+            # ever sent, secrets and all, not just what is still there.
+            data = var / "redis"
+            data.mkdir(mode=0o700, exist_ok=True)
             proc = sup.start("redis", [redis_server_binary(), "--port", str(port), "--bind",
-                                       "127.0.0.1", "--save", "", "--dir", str(var)], env)
+                                       "127.0.0.1", "--save", "3600", "1",
+                                       "--stop-writes-on-bgsave-error", "no",
+                                       "--dbfilename", "broker.rdb", "--dir", str(data)], env)
             broker = f"redis://127.0.0.1:{port}/0"
             sup.wait_ready({"redis": lambda: redis_answers(broker)}, 30,
                            lambda name, took: on_ready(f"{name} {broker}", took))

@@ -186,3 +186,42 @@ def test_a_finish_that_cannot_read_the_marks_is_retried_and_stores_nothing(
     by_name("run.finish", run_id=run_id, status="failed", error=f"token {SECRET} rejected")
     stored = rt.store.get_run(run_id)
     assert stored is not None and stored.error == "token *** rejected"
+
+
+def test_marks_lost_since_the_acquire_withhold_the_text_instead_of_storing_it(
+        marks_stack: tuple[WorkerStack, DroppingProxy], redis_server: RedisServer) -> None:
+    # Before: the embedded Redis of `leasekeeper up` keeps no data, so after `up` was
+    # restarted a finish (and a destroy's reason) quoting the run's secret was stored and
+    # shown in clear: no marks, nothing to scrub.
+    stack, _ = marks_stack
+    rt = stack.runtime()
+    stack.start_worker(concurrency=1)
+    thread = f"th-{uuid.uuid4().hex[:8]}"
+    run_id, plain = f"run-d-{uuid.uuid4().hex[:8]}", f"run-e-{uuid.uuid4().hex[:8]}"
+    lease_id = acquire(run_id, thread_id=thread, secret_env={"API_TOKEN": SECRET})
+    acquire(plain, thread_id=f"th-{uuid.uuid4().hex[:8]}")
+    client = redis.Redis.from_url(redis_server.url)
+    prefix = f"leasekeeper:{stack.name}:secret-marks"
+    assert client.delete(f"{prefix}:run:{run_id}", f"{prefix}:thread:{thread}") == 2
+
+    error = f"401 from api: Authorization: Bearer {SECRET} refused"
+    by_name("run.finish", run_id=run_id, status="failed", exit_code=1, error=error)
+    stored = rt.store.get_run(run_id)
+    assert stored is not None and stored.error is not None
+    assert CORE not in stored.error
+    assert stored.error.startswith(f"[error withheld: {len(error)} chars"), stored.error
+
+    # A run whose lease was given no secret keeps its error: nothing was lost.
+    by_name("run.finish", run_id=plain, status="failed", exit_code=1, error="plain failure")
+    assert rt.store.get_run(plain).error == "plain failure"  # type: ignore[union-attr]
+
+    # A destroy's reason on the lease that had the secret: withheld too.
+    other = f"run-f-{uuid.uuid4().hex[:8]}"
+    second = acquire(other, thread_id=f"th-{uuid.uuid4().hex[:8]}",
+                     secret_env={"API_TOKEN": SECRET})
+    client.delete(*client.keys(f"{prefix}:*{other}*"))
+    client.delete(*[k for k in client.keys(f"{prefix}:thread:*")])
+    by_name("lease.destroy", lease_id=second, reason=f"rotating {SECRET} now")
+    ended = rt.store.get_lease(second)
+    assert ended.end_reason == "withheld: its run's secret marks are lost", ended.end_reason
+    assert lease_id != second

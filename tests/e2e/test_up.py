@@ -427,3 +427,41 @@ def test_up_names_the_command_as_it_can_be_typed_here(tmp_path: Path) -> None:
         assert status.returncode in (0, 1), status.stderr  # the command it names works
         said = process.interrupt()
     assert process.proc.returncode == 0, said
+
+
+@pytest.mark.timeout(900)
+def test_a_runs_secret_stays_scrubbed_after_up_is_restarted(tmp_path: Path) -> None:
+    """Before: up's Redis kept nothing, so the secret marks of runs acquired before a
+    restart were gone, and a finish's error (and a destroy's reason) quoting the run's
+    secret was stored and shown in clear."""
+    env = user_env(LEASEKEEPER_FLOWER_PORT="0")
+    secret = f"restart-secret-{os.urandom(8).hex()}"
+    script = ("import sys; from tasks import producer; {call}.get(120)")
+    with up(tmp_path, env) as first:
+        first.wait_for("press Ctrl-C to stop")
+        acquired = subprocess.run(
+            [sys.executable, "-c", script.format(call=(
+                "producer.acquire_lease('rs-z', {'thread_id': 'tz', 'secret_env': "
+                "{'TOKEN': sys.argv[1]}})")), secret],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False)
+        assert acquired.returncode == 0, acquired.stderr
+        said = first.interrupt()
+    assert "1 active lease(s)" in said, said
+    with up(tmp_path, env) as second:
+        second.wait_for("press Ctrl-C to stop")
+        finished = subprocess.run(
+            [sys.executable, "-c", script.format(call=(
+                "producer.finish_run('rs-z', 'failed', 1, "
+                "error='z crashed TOKEN=' + sys.argv[1])")), secret],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180, check=False)
+        assert finished.returncode == 0, finished.stderr
+        shown = leasekeeper("runs", "show", "rs-z", env=env, cwd=tmp_path)
+        assert shown.returncode == 0, shown.stderr
+        assert secret not in shown.stdout and "z crashed TOKEN=***" in shown.stdout, \
+            shown.stdout
+        # Its lease ends with the run (an ephemeral sandbox is reclaimed).
+        eventually(lambda: "destroyed" in leasekeeper("runs", "show", "rs-z", env=env,
+                                                      cwd=tmp_path).stdout, 120,
+                   "the run's sandbox reclaimed")
+        said = second.interrupt()
+    assert "no lease is live and no sandbox is running" in said, said
