@@ -21,10 +21,11 @@ from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
 
 from providers.errors import BrokerUnavailable, InvalidRequest
-from providers.spec import SandboxSpec, check_id
+from providers.spec import MIN_SUBSTRING_SECRET_CHARS, REDACTED, SandboxSpec, check_id
 from tasks.acquire import acquire, parse_acquire
 from tasks.destroy import checked_reason, clean_reason, destroy
 from tasks.reclaim import reclaim
+from tasks.redaction import secret_values
 from tasks.resume import resume_check
 from tasks.runs import attach_run as _attach
 from tasks.runs import clean_error, parse_finish
@@ -146,15 +147,36 @@ def _has_password(url: str) -> bool:
 
 def acquire_lease(run_id: str, spec: SandboxSpec | Mapping[str, Any] | None = None
                   ) -> AsyncResult:
-    run_id, parsed = parse_acquire(run_id, dict(spec) if isinstance(spec, Mapping) else spec)
-    settings = get_settings()
-    if parsed.pool is not None and settings.pools:
-        # Refused here when this process knows the pools (a backend that does not declare
-        # them leaves it to the worker): an unknown pool, a field its template decides.
-        resolve_spec(settings.pools, parsed)
-    if parsed.provider is not None:
-        check_provider(parsed.provider, settings)
+    raw = dict(spec) if isinstance(spec, Mapping) else spec
+    try:
+        run_id, parsed = parse_acquire(run_id, raw)
+        settings = get_settings()
+        if parsed.pool is not None and settings.pools:
+            # Refused here when this process knows the pools (a backend that does not
+            # declare them leaves it to the worker): an unknown pool, a field its template
+            # decides.
+            resolve_spec(settings.pools, parsed)
+        if parsed.provider is not None:
+            check_provider(parsed.provider, settings)
+    except InvalidRequest as exc:
+        raise InvalidRequest(_without_secrets(str(exc), raw)) from None
     return _send(acquire, {"run_id": run_id, "spec": parsed.to_payload()})
+
+
+def _without_secrets(message: str, spec: SandboxSpec | dict[str, Any] | None) -> str:
+    """A refusal's text with the spec's secret values replaced by ``***`` wherever it
+    quotes one (a provider, a quantity, a label or env name that repeats a secret): a
+    backend shows it (a 422's body, an error tracker), and the worker's refusal of the
+    same spec hides them too. Values too short to search for are replaced where quoted
+    whole."""
+    values = (spec.secret_values().values() if isinstance(spec, SandboxSpec)
+              else secret_values(spec))
+    for value in sorted(set(values), key=len, reverse=True):
+        if len(value) >= MIN_SUBSTRING_SECRET_CHARS:
+            message = message.replace(value, REDACTED)
+        elif value:
+            message = message.replace(repr(value), repr(REDACTED))
+    return message
 
 
 def check_provider(name: str, settings: Settings) -> None:

@@ -210,8 +210,13 @@ def remember(values: Iterable[str]) -> None:
 _WORD = "secret"
 _FIELD = re.compile(
     rf"""(?:\\*['"][^'"\\\n]{{0,64}}?{_WORD}[^'"\\\n]{{0,64}}?\\*['"]"""  # a quoted key
-    rf"""|(?<![\w-])[\w-]{{0,64}}?{_WORD}[\w-]{{0,64}}?)\s*[:=]\s*""",  # a bare key
+    rf"""|(?<![\w-])[\w-]{{0,64}}?{_WORD}[\w-]{{0,64}}?)\s*([:=])\s*""",  # a bare key
     re.IGNORECASE)
+# After `key: `, what a dumped value starts with (a mapping, a list, a tuple, a quoted or
+# bytes string). Prose does not: "unknown provider 'vault-secret-store': this ..." or
+# "env 'SECRET_X': holds a secret_env value ..." is a message to keep, not a field. After
+# `key=` anything is a value (`SECRET_ENV=abc`, an environment dump).
+_VALUE = re.compile(r"""b?\\*['"]|[{\[(]""")
 # What the field-based redaction already wrote: `{'NAME': '***', ...}` (or JSON quotes).
 _Q = r"""\\?['"]"""
 _ALREADY = re.compile(rf"\{{(\s*{_Q}[A-Za-z0-9_]*{_Q}:\s*{_Q}\*\*\*{_Q},?)*\s*\}}|{_Q}\*\*\*{_Q}")
@@ -230,6 +235,8 @@ def scrub_text(text: str) -> str:
         for match in _FIELD.finditer(text):
             if match.start() < pos:
                 continue
+            if match.group(1) == ":" and not _VALUE.match(text, match.end()):
+                continue  # prose naming a key, not a dumped field
             out.append(text[pos:match.end()])
             done = _ALREADY.match(text, match.end())
             if done:
