@@ -258,9 +258,19 @@ def _banner(settings: Settings, flower_url: str, flower_auth: str, logdir: Path,
     if metrics_url:
         say(f"metrics: {metrics_url}; lease console: {console_url} (the same basic auth)")
     say(f"logs: {logdir}")
-    typer.echo(f"\nIn another shell in {Path.cwd()}, `{command_name()} status` and the "
-               f"producer find this backend through {env_file}.\nElsewhere, paste:\n"
+    typer.echo(f"\n{client_hint(env_file, Path.cwd(), command_name())}\nElsewhere, paste:\n"
                + "".join(f"  export {k}={v}\n" for k, v in client_env.items()))
+
+
+def client_hint(env_file: Path, cwd: Path, command: str) -> str:
+    """How another shell finds this backend: clients read ``.var/env`` under their working
+    directory, or ``$LEASEKEEPER_VAR_DIR/env``; a var dir elsewhere needs the variable."""
+    found = f"`{command} status` and the producer find this backend through {env_file}."
+    if env_file.resolve() == (cwd / ".var" / "env").resolve():
+        return f"In another shell in {cwd}, {found}"
+    var_dir = env_file.resolve().parent
+    return (f"In another shell, `export LEASEKEEPER_VAR_DIR={var_dir}` first (in any "
+            f"directory); then {found}")
 
 
 def _end_demo(backend: object, demo_env: dict[str, str]) -> None:
