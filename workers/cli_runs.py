@@ -68,6 +68,9 @@ def runs_show(run_id: str, as_json: JsonOpt = False) -> None:
     check_id_argument("run id", run_id, "`leasekeeper runs list` shows them")
     run = rt.store.get_run(run_id)
     if run is None:
+        if rt.store.find_lease(run_id) is not None:
+            raise NotFound(f"no run {run_id!r} in the store; {run_id!r} is a lease: "
+                           f"`leasekeeper leases show {run_id}`")
         raise NotFound(f"no run {run_id!r} in the store; `leasekeeper runs list` shows them")
     lease = rt.store.find_lease(run.lease_id) if run.lease_id else None
     if as_json:

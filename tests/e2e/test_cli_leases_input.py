@@ -249,6 +249,15 @@ def test_a_run_id_given_as_a_lease_names_the_runs_command(store: Store, env: dic
     assert "is a run" not in line
 
 
+def test_a_lease_id_given_as_a_run_names_the_leases_command(store: Store,
+                                                            env: dict[str, str]) -> None:
+    # Before: "no run '<lease id>' in the store; `leasekeeper runs list` shows them".
+    lease_id = add(store, LeaseState.ACTIVE)
+    one_line(leasekeeper("runs", "show", lease_id, env=env), 4,
+             f"no run {lease_id!r} in the store; {lease_id!r} is a lease: "
+             f"`leasekeeper leases show {lease_id}`")
+
+
 def test_leases_list_before_an_unknown_lease_is_refused(store: Store, env: dict[str, str]
                                                         ) -> None:
     # Before: exit 0 with the newest leases, as if --before were not given.
