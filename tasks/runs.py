@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.schema import RunStatus
+from models.schema import LeaseState, RunStatus
 from models.store import RunChange
 from providers.errors import InvalidRequest
 from providers.spec import check_id
@@ -125,10 +125,22 @@ def attach_run(self: LeaseTask, run_id: str) -> dict[str, Any]:
     return {"run_id": run_id, "change": change}
 
 
+def touch(rt: Runtime, lease_id: str) -> dict[str, Any]:
+    """lease.touch's answer: ``reason`` says why nothing moved (the lease is not active,
+    or is past its absolute deadline), None when the idle deadline moved."""
+    lease = rt.store.touch(lease_id)
+    if lease is not None:
+        return {"lease_id": lease_id, "touched": True,
+                "idle_deadline_at": lease.idle_deadline_at.isoformat() + "Z"
+                if lease.idle_deadline_at else None, "reason": None}
+    now = rt.store.get_lease(lease_id)
+    reason = (f"the lease is {now.state}, not active" if now.state != LeaseState.ACTIVE
+              else "expired: past its absolute deadline; activity does not save it")
+    return {"lease_id": lease_id, "touched": False, "idle_deadline_at": None,
+            "reason": reason}
+
+
 @app.task(bind=True, base=LeaseTask, name="lease.touch")
 def touch_lease(self: LeaseTask, lease_id: str) -> dict[str, Any]:
     with self.retrying():
-        lease = self.runtime.store.touch(lease_id)
-    return {"lease_id": lease_id, "touched": lease is not None,
-            "idle_deadline_at": lease.idle_deadline_at.isoformat() + "Z"
-            if lease and lease.idle_deadline_at else None}
+        return touch(self.runtime, lease_id)

@@ -110,7 +110,8 @@ def test_detach_attach_and_touch_after_the_end_change_nothing(stack: WorkerStack
         "requested"
     events = len(rt.store.events(gone_lease))
     assert producer.touch_lease(gone_lease).get(60) == {
-        "lease_id": gone_lease, "touched": False, "idle_deadline_at": None}
+        "lease_id": gone_lease, "touched": False, "idle_deadline_at": None,
+        "reason": "the lease is destroyed, not active"}
     assert len(rt.store.events(gone_lease)) == events
     assert rt.store.get_lease(gone_lease).state == LeaseState.DESTROYED
     reclaimed(rt, finished)

@@ -19,6 +19,7 @@ from providers.spec import SandboxSpec
 from tasks.acquire import AcquireResult, acquire_lease
 from tasks.destroy import destroy_lease
 from tasks.resume import check_lease
+from tasks.runs import touch
 from tests.sweeps.conftest import set_lease
 from workers.runtime import Runtime
 
@@ -57,6 +58,10 @@ def test_a_touch_past_the_deadline_moves_nothing(rt: Runtime) -> None:
     expire(rt, lease_id)
     before = rt.store.get_lease(lease_id)
     assert rt.store.touch(lease_id) is None
+    # lease.touch's answer says why (a QA pass: it looked the same as a destroyed lease's)
+    assert touch(rt, lease_id) == {
+        "lease_id": lease_id, "touched": False, "idle_deadline_at": None,
+        "reason": "expired: past its absolute deadline; activity does not save it"}
     after = rt.store.get_lease(lease_id)
     assert (after.state, after.idle_deadline_at) == (LeaseState.ACTIVE,
                                                      before.idle_deadline_at)
