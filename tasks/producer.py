@@ -20,7 +20,7 @@ from celery import Task
 from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
 
-from providers.errors import BrokerUnavailable, InvalidRequest
+from providers.errors import BrokerUnavailable, ConfigError, InvalidRequest
 from providers.spec import MIN_SUBSTRING_SECRET_CHARS, REDACTED, SandboxSpec, check_id
 from tasks.acquire import acquire, parse_acquire
 from tasks.destroy import checked_reason, clean_reason, destroy
@@ -74,7 +74,13 @@ def _send(task: Task, kwargs: dict[str, Any]) -> AsyncResult:
             if client is not None:
                 client.ping()
         result = task.apply_async(kwargs=kwargs, retry_policy=PUBLISH_RETRY_POLICY)
+    except redis.ResponseError as exc:
+        if not database_missing(exc):
+            raise
+        raise ConfigError(broker_unreachable(task.app.conf.broker_url, exc)) from None
     except (*_BROKER_ERRORS, RuntimeError) as exc:
+        if database_missing(exc):
+            raise ConfigError(broker_unreachable(task.app.conf.broker_url, exc)) from None
         lost = _broker_error(exc)
         if lost is None:
             raise
@@ -110,6 +116,10 @@ def broker_unreachable(url: str, exc: BaseException, sending: bool = True) -> st
 
     where = f"the broker at {maybe_sanitize_url(url)} (LEASEKEEPER_BROKER_URL)"
     unsent = "; nothing was sent." if sending else "."
+    if database_missing(exc):
+        return (f"{where} answers but has no such database (DB index is out of range){unsent} "
+                "Use a database number this Redis has in LEASEKEEPER_BROKER_URL "
+                "(redis://host:6379/0; 0 to 15 unless its `databases` setting says more)")
     refused = auth_failure(exc)
     if refused is not None:
         return f"{where} answers but authentication failed ({refused}){unsent} " + (
@@ -123,6 +133,17 @@ def broker_unreachable(url: str, exc: BaseException, sending: bool = True) -> st
     reason = str(exc).split(". ")[-1].strip(". ") or type(exc).__name__
     return (f"{where} is unreachable ({reason}){unsent} Start Redis there or fix the URL, "
             f"then retry.{broker_hint(os.environ, env_file_path())}")
+
+
+def database_missing(exc: BaseException | None) -> bool:
+    """Redis refused the URL's database number (SELECT: "DB index is out of range"): a
+    setting to fix, not a broker to wait for. kombu wraps it; the chain is walked."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if "DB index is out of range" in str(exc):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def auth_failure(exc: BaseException | None) -> str | None:

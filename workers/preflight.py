@@ -46,7 +46,7 @@ class NewerStore(ConfigError):
 
 
 def check_broker(url: str, timeout_s: float = 2.0) -> None:
-    from tasks.producer import broker_unreachable
+    from tasks.producer import broker_unreachable, database_missing
 
     client = redis.Redis.from_url(url, socket_timeout=timeout_s,
                                   socket_connect_timeout=timeout_s)
@@ -54,6 +54,10 @@ def check_broker(url: str, timeout_s: float = 2.0) -> None:
         client.ping()
     except redis.AuthenticationError as exc:  # a setting to fix, not a service to wait for
         raise ConfigError(broker_unreachable(url, exc, sending=False)) from None
+    except redis.ResponseError as exc:
+        if database_missing(exc):  # a setting too: no such database there
+            raise ConfigError(broker_unreachable(url, exc, sending=False)) from None
+        raise BrokerUnavailable(broker_unreachable(url, exc, sending=False)) from None
     except redis.RedisError as exc:  # refused, silent, or not Redis
         raise BrokerUnavailable(broker_unreachable(url, exc, sending=False)) from None
     finally:

@@ -239,9 +239,16 @@ class Settings(BaseSettings):
         from urllib.parse import urlsplit
 
         try:
-            urlsplit(value).port  # noqa: B018  (parsed on access: a bad port fails here)
+            parts = urlsplit(value)
+            parts.port  # noqa: B018  (parsed on access: a bad port fails here)
         except ValueError as exc:
             raise ValueError(f"not a Redis URL: {str(exc)[:120]}") from None
+        # The database number: the path of a redis:// URL (`/0`), Celery's transport takes
+        # it with int() and fails every send on anything else.
+        database = parts.path[1:] if scheme != "unix" else ""
+        if database and not database.isdigit():
+            raise ValueError(f"the database number {database[:20]!r} after the port is not a "
+                             "number; use redis://host:6379/0 (0 to 15 on a default Redis)")
         return value
 
     @field_validator("installation_id")

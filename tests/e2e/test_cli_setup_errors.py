@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import socket
 import sqlite3
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,7 @@ import pytest
 
 from tests.e2e.conftest import cli_env, leasekeeper
 from tests.e2e.test_cli_errors import short_error
-from tests.services import PostgresServer
+from tests.services import PostgresServer, RedisServer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -71,6 +73,39 @@ def test_a_broker_url_that_is_not_redis(tmp_path: Path, url: str) -> None:
         assert done.returncode == 2, (command, done.stderr)
         err = short_error(done, "LEASEKEEPER_BROKER_URL", "Redis URL")
         assert "secret-pw" not in err
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:6379/abc", "redis://127.0.0.1:6379/1/2"])
+def test_a_broker_url_whose_database_is_no_number(tmp_path: Path, url: str) -> None:
+    # Before (a QA pass): `health --broker` passed it (exit 0), then `leases destroy` and the
+    # producer failed with "unexpected ValueError: invalid literal for int()".
+    env = cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path), LEASEKEEPER_BROKER_URL=url)
+    for command in (["health", "--broker"], ["leases", "destroy", "01a24f0f43ea963e"]):
+        done = leasekeeper(*command, env=env)
+        assert done.returncode == 2, (command, done.stderr)
+        short_error(done, "LEASEKEEPER_BROKER_URL", "database number", "redis://host:6379/0")
+    sent = subprocess.run(
+        [sys.executable, "-c", "from tasks import producer; producer.acquire_lease('r-1', {})"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert "ConfigError" in sent.stderr and "database number" in sent.stderr, sent.stderr
+    assert "ValueError: invalid literal" not in sent.stderr
+
+
+def test_a_broker_url_naming_a_database_redis_has_not(tmp_path: Path,
+                                                      redis_server: RedisServer) -> None:
+    # Before (a QA pass): "the broker ... is unreachable (DB index is out of range). Start
+    # Redis there", exit 3, about a Redis that answers.
+    url = f"redis://127.0.0.1:{redis_server.port}/99"
+    env = cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path), LEASEKEEPER_BROKER_URL=url)
+    assert leasekeeper("db", "upgrade", env=env).returncode == 0
+    done = leasekeeper("leases", "destroy", "--state", "active", "--yes", env=env)
+    assert done.returncode == 2, done.stderr
+    short_error(done, "has no such database", "LEASEKEEPER_BROKER_URL")
+    assert "unreachable" not in done.stderr and "Start Redis" not in done.stderr
+    sent = subprocess.run(
+        [sys.executable, "-c", "from tasks import producer; producer.acquire_lease('r-1', {})"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert "ConfigError" in sent.stderr and "has no such database" in sent.stderr, sent.stderr
 
 
 def test_a_store_url_with_a_port_that_is_no_number(tmp_path: Path) -> None:
