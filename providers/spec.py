@@ -226,6 +226,18 @@ class SandboxSpec(BaseModel):
     # template fills in provider, backend, image, command and resources.
     pool: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_left_out(cls, data: Any) -> Any:
+        # A JSON client serialises an absent optional as null: for every field, null is
+        # the default, exactly as if the field were left out (also out of
+        # model_fields_set, which a pool's template reads for the tenant), so a spec with
+        # nulls is the same spec (payload, stored spec, sandbox key) as one without them.
+        # Only known fields: an unknown one is refused, null or not (extra="forbid").
+        if isinstance(data, dict) and None in data.values():
+            return {k: v for k, v in data.items() if v is not None or k not in cls.model_fields}
+        return data
+
     @field_validator("tenant")
     @classmethod
     def _tenant(cls, value: str) -> str:

@@ -39,6 +39,7 @@ from workers.settings import (
     Settings,
     env_file_path,
     get_settings,
+    provider_not_enabled,
 )
 from workers.up_lock import broker_hint
 
@@ -207,9 +208,9 @@ def check_provider(name: str, settings: Settings) -> None:
     has: its own default (``local``) says nothing about the workers."""
     if "providers" in settings.model_fields_set:
         if name not in settings.providers:
-            raise InvalidRequest(
-                f"unknown provider {name!r}: this installation enables "
-                f"{', '.join(settings.providers)} (LEASEKEEPER_PROVIDERS)")
+            raise InvalidRequest(provider_not_enabled(
+                name, settings.providers, "this process",
+                "add it to LEASEKEEPER_PROVIDERS, here and on the workers, to use it"))
     elif name not in PROVIDER_NAMES:
         raise InvalidRequest(
             f"unknown provider {name!r}: leasekeeper has the providers "

@@ -22,7 +22,7 @@ from providers.errors import ConfigError, InvalidRequest
 from providers.faulty import FaultPlan, FaultyProvider
 from providers.local import LocalProvider
 from providers.noop import NoopProvider
-from workers.settings import PROVIDER_NAMES, Settings, get_settings
+from workers.settings import PROVIDER_NAMES, Settings, get_settings, provider_not_enabled
 
 
 def _local(settings: Settings) -> Provider:
@@ -72,10 +72,9 @@ class Runtime:
 
     def provider(self, name: str) -> Provider:
         if name not in self.settings.providers:
-            raise InvalidRequest(
-                f"unknown provider {name!r}: this installation enables "
-                f"{', '.join(self.settings.providers)} (LEASEKEEPER_PROVIDERS)"
-            )
+            raise InvalidRequest(provider_not_enabled(
+                name, self.settings.providers, "this worker",
+                "add it to LEASEKEEPER_PROVIDERS to use it"))
         with self._lock:
             if name not in self._providers:
                 factory = PROVIDER_FACTORIES[name]  # the settings allow no other name

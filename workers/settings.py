@@ -14,7 +14,7 @@ import functools
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -35,6 +35,17 @@ BROKER_SCHEMES = ("redis", "rediss", "unix")
 PROVIDER_NAMES = ("local", "kubernetes", "noop", "faulty")
 # What messages offer: faulty (fault injection) is for leasekeeper's own tests
 OFFERED_PROVIDERS = ", ".join(p for p in PROVIDER_NAMES if p != "faulty")
+
+
+def provider_not_enabled(name: str, enabled: Sequence[str], where: str, enable: str) -> str:
+    """Why ``name`` is refused where LEASEKEEPER_PROVIDERS is ``enabled``: a name no
+    leasekeeper has is unknown; one it has is only not enabled ``where``, and ``enable``
+    says how to change that (an "unknown" provider sends the reader to look for a typo)."""
+    if name not in PROVIDER_NAMES:
+        return (f"unknown provider {name!r}: this installation enables "
+                f"{', '.join(enabled)} (LEASEKEEPER_PROVIDERS)")
+    return (f"provider {name!r} is not enabled on {where} (it enables "
+            f"{', '.join(enabled)}): {enable}")
 log = logging.getLogger("leasekeeper.settings")
 
 

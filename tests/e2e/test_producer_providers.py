@@ -63,6 +63,13 @@ def test_a_web_process_refuses_a_provider_no_leasekeeper_has(
 
 def test_a_web_process_that_sets_the_provider_list_keeps_to_it(
         redis_server: RedisServer, tmp_path: Path) -> None:
+    # a provider leasekeeper has is not "unknown" (that sends one looking for a typo): it
+    # is not enabled here, and the message names the setting that enables it (before,
+    # "unknown provider 'kubernetes': this installation enables local": a QA pass)
     said = web_send(redis_server, tmp_path, "kubernetes", LEASEKEEPER_PROVIDERS="local")
-    assert said.startswith("refused: unknown provider 'kubernetes': this installation "
-                           "enables local (LEASEKEEPER_PROVIDERS)")
+    assert said == ("refused: provider 'kubernetes' is not enabled on this process (it "
+                    "enables local): add it to LEASEKEEPER_PROVIDERS, here and on the "
+                    "workers, to use it")
+    said = web_send(redis_server, tmp_path, "nomad", LEASEKEEPER_PROVIDERS="local")
+    assert said == ("refused: unknown provider 'nomad': this installation enables local "
+                    "(LEASEKEEPER_PROVIDERS)")

@@ -17,6 +17,7 @@ from celery.exceptions import TimeoutError as CeleryTimeout
 
 from models.schema import LeaseState, ReclaimOutcome, RunStatus
 from providers.errors import InvalidRequest, TerminalProviderError
+from providers.spec import SandboxSpec
 from tasks import producer
 from tests.e2e.conftest import eventually
 from tests.services import free_port, wait_for_port
@@ -82,6 +83,42 @@ def test_malformed_payload_sent_by_name_fails_clearly_and_writes_nothing(
         bad.get(30)
     assert "tenant" in str(err.value) and "colour" in str(err.value)
     assert stack.runtime().store.get_run(run_id) is None
+
+
+def test_nulls_in_a_spec_are_the_defaults_by_name_and_through_the_producer(
+    stack: WorkerStack,
+) -> None:
+    # a JSON client that serialises every absent optional as null (before, tenant, reuse,
+    # env, secret_env and labels null were refused with pydantic's text: a QA pass)
+    run_id = rid()
+    nulls = {**dict.fromkeys(SandboxSpec.model_fields), "provider": "noop"}
+    first = app.send_task("lease.acquire", kwargs={"run_id": run_id, "spec": nulls}).get(60)
+    assert first["result"] == "acquired"
+    # the same spec without the nulls, by name and through the producer: the same spec
+    again = app.send_task("lease.acquire",
+                          kwargs={"run_id": run_id, "spec": {"provider": "noop"}}).get(60)
+    assert (again["result"], again["lease_id"]) == ("already_acquired", first["lease_id"])
+    again = producer.acquire_lease(run_id, nulls).get(60)
+    assert (again["result"], again["lease_id"]) == ("already_acquired", first["lease_id"])
+    assert stack.runtime().store.get_lease(first["lease_id"]).spec == SandboxSpec(
+        provider="noop").redacted()
+    producer.destroy_lease(first["lease_id"], reason=None).get(30)
+
+
+def test_a_provider_the_worker_does_not_enable_is_named_as_such(stack: WorkerStack) -> None:
+    # the stack's workers enable local, noop and faulty; kubernetes is a provider
+    # leasekeeper has (before: "unknown provider 'kubernetes'": a QA pass)
+    run_id = rid()
+    sent = app.send_task("lease.acquire",
+                         kwargs={"run_id": run_id, "spec": {"provider": "kubernetes"}})
+    with pytest.raises(InvalidRequest, match=r"provider 'kubernetes' is not enabled on this "
+                       r"worker \(it enables local, noop, faulty\): add it to "
+                       r"LEASEKEEPER_PROVIDERS to use it"):
+        sent.get(30)
+    assert stack.runtime().store.get_run(run_id) is None
+    with pytest.raises(InvalidRequest, match=r"provider 'kubernetes' is not enabled on this "
+                       r"process .*LEASEKEEPER_PROVIDERS, here and on the workers"):
+        producer.acquire_lease(run_id, {"provider": "kubernetes"})
 
 
 def test_producer_validates_before_enqueueing() -> None:
