@@ -390,6 +390,10 @@ class SandboxSpec(BaseModel):
         data = self.model_dump(mode="json", exclude_none=True, exclude_defaults=True)
         if self.secret_env:
             data["secret_env"] = self.secret_values()
+        if "tenant" in self.model_fields_set and "tenant" not in data:
+            # Given, even as the default: with a pool, a tenant left out takes the
+            # template's (workers/pool_settings.py), so the worker must see it was given.
+            data["tenant"] = self.tenant
         return data
 
 

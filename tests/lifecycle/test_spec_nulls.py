@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from providers.errors import InvalidRequest
-from providers.spec import SandboxSpec
+from providers.spec import DEFAULT_TENANT, SandboxSpec, parse_spec
 from tasks.acquire import AcquireResult, acquire_lease, parse_acquire
 from tasks.leases import sandbox_key
 from workers.pool_settings import parse_pools, resolve_spec
@@ -98,3 +98,13 @@ def test_a_known_provider_not_enabled_says_so_and_how_to_enable_it(rt: Runtime) 
     assert str(err.value) == ("unknown provider 'nomad': this installation enables local, "
                               "faulty, noop (LEASEKEEPER_PROVIDERS)")
     assert rt.store.leases() == []
+
+
+def test_a_tenant_given_as_the_default_reaches_the_worker_as_given() -> None:
+    # Before: the producer's payload dropped it (it equals the default), so with a pool the
+    # worker gave the run the template's tenant; sent by name it kept "default".
+    spec = parse_spec({"pool": "py", "tenant": DEFAULT_TENANT})
+    payload = spec.to_payload()
+    assert payload == {"pool": "py", "tenant": DEFAULT_TENANT}
+    assert "tenant" in parse_spec(payload).model_fields_set
+    assert parse_spec({"pool": "py"}).to_payload() == {"pool": "py"}  # left out: not sent
