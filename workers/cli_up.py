@@ -2,7 +2,8 @@
 optional demo (workers/demo.py); and `leasekeeper flower`, Flower that never runs without
 basic auth.
 
-`up` writes the settings a client needs (broker, store) to ``$LEASEKEEPER_VAR_DIR/env``
+`up` writes the settings a client needs (broker, store, and the other settings it was
+started with, never a secret) to ``$LEASEKEEPER_VAR_DIR/env``
 (default ``.var/env``), which the CLI and the producer read when run from the same
 directory, prints the same lines to paste, and removes the file when it stops.
 """
@@ -10,11 +11,14 @@ directory, prints the same lines to paste, and removes the file when it stops.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
+import shlex
 import signal
 import sys
 import threading
 import time
+from collections.abc import Collection, Mapping
 from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
@@ -24,7 +28,13 @@ import typer
 
 from providers.errors import ConfigError, LeasekeeperError
 from workers.cli_common import command_name
-from workers.settings import Settings, env_file_path, get_settings, load_settings
+from workers.settings import (
+    ENV_PREFIX,
+    Settings,
+    env_file_path,
+    get_settings,
+    load_settings,
+)
 
 # Short sweep intervals and detach TTL so the demo shows reaping within seconds. Only the
 # demo runs with them: afterwards worker and beat restart on the normal settings.
@@ -34,6 +44,14 @@ DEMO_SETTINGS = {"REAP_RUNS_INTERVAL_S": "1", "EXPIRE_LEASES_INTERVAL_S": "1",
                  "STUCK_PROVISIONING_INTERVAL_S": "2", "FILL_POOLS_INTERVAL_S": "1",
                  "LOCAL_DESTROY_GRACE_S": "2"}
 CLIENT_SETTINGS = ("LEASEKEEPER_BROKER_URL", "LEASEKEEPER_STORE_URL", "LEASEKEEPER_TASK_QUEUE")
+# Never in the env file or the lines to paste, whatever the setting: a name that says it
+# is a credential (LEASEKEEPER_FLOWER_BASIC_AUTH, LEASEKEEPER_SECRET_MARKS_KEY, ...).
+SECRET_WORDS = ("PASSWORD", "SECRET", "TOKEN", "AUTH", "KEY")
+# Settings only up's own children use: each child gets its own log file from up.
+NOT_FOR_CLIENTS = frozenset({"LEASEKEEPER_LOG_FILE"})
+# Paths a client elsewhere must read as up did (relative to up's working directory).
+PATH_SETTINGS = frozenset({"LEASEKEEPER_POOLS_FILE", "LEASEKEEPER_FAULTS_FILE",
+                           "LEASEKEEPER_KUBE_CONFIG_PATH"})
 
 
 def register(cli: typer.Typer) -> None:
@@ -115,7 +133,7 @@ def _up(settings: Settings, demo: int, exit_after_demo: bool, signals: StopSigna
             os.environ.update({k: v for k, v in backend.env.items()
                                if k.startswith("LEASEKEEPER_")})
             get_settings.cache_clear()
-            client_env = _client_env(get_settings())
+            client_env = _client_env(get_settings(), os.environ, demo_env)
             _write_env_file(env_file, client_env)
             _banner(settings, backend.flower_url, backend.flower_auth, backend.logdir,
                     backend.notes, env_file, client_env, backend.metrics_url,
@@ -230,17 +248,48 @@ def _stopping(settings: Settings) -> None:
         + " ...")
 
 
-def _client_env(settings: Settings) -> dict[str, str]:
-    return {"LEASEKEEPER_BROKER_URL": settings.effective_broker_url,
-            "LEASEKEEPER_STORE_URL": settings.effective_store_url,
-            "LEASEKEEPER_TASK_QUEUE": settings.task_queue}
+def _client_env(settings: Settings, environ: Mapping[str, str],
+                skip: Collection[str] = ()) -> dict[str, str]:
+    """What another shell needs to see this backend as `up` runs it: broker, store and
+    queue, then every other setting `up` was started with (pools, sweep intervals,
+    lifetimes: `status` and `pools` judge by them), but no secret, nothing only up's
+    children use, and none of ``skip`` (the demo's temporary overrides)."""
+    env = {"LEASEKEEPER_BROKER_URL": settings.effective_broker_url,
+           "LEASEKEEPER_STORE_URL": settings.effective_store_url,
+           "LEASEKEEPER_TASK_QUEUE": settings.task_queue}
+    known = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields}
+    for key in sorted(known & environ.keys()):
+        if (key in env or key in skip or key in NOT_FOR_CLIENTS
+                or any(word in key for word in SECRET_WORDS)):
+            continue
+        value = environ[key]
+        env[key] = str(Path(value).resolve()) if key in PATH_SETTINGS and value else value
+    return env
+
+
+def _env_lines(env: Mapping[str, str]) -> tuple[str, list[str]]:
+    """``export K=V`` lines a shell and the env file reader (python-dotenv) both read back
+    as V; the names of any value no quoting gives both (a quote and a backslash in it)."""
+    from dotenv import dotenv_values
+
+    lines, left_out = [], []
+    for key, value in env.items():
+        line = f"export {key}={shlex.quote(value)}\n"
+        if dotenv_values(stream=io.StringIO(line)).get(key) == value:
+            lines.append(line)
+        else:
+            left_out.append(key)
+    return "".join(lines), left_out
 
 
 def _write_env_file(path: Path, env: dict[str, str]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.touch(mode=0o600)
-    path.write_text("# written by `leasekeeper up`; removed when it stops\n"
-                    + "".join(f"export {k}={v}\n" for k, v in env.items()))
+    lines, left_out = _env_lines(env)
+    path.write_text("# written by `leasekeeper up`; removed when it stops\n" + lines)
+    for key in left_out:
+        say(f"note: {key} is not in {path} (its value cannot be quoted for both a shell "
+            "and the env file reader): set it in the other shell too")
 
 
 def _banner(settings: Settings, flower_url: str, flower_auth: str, logdir: Path,
@@ -259,7 +308,7 @@ def _banner(settings: Settings, flower_url: str, flower_auth: str, logdir: Path,
         say(f"metrics: {metrics_url}; lease console: {console_url} (the same basic auth)")
     say(f"logs: {logdir}")
     typer.echo(f"\n{client_hint(env_file, Path.cwd(), command_name())}\nElsewhere, paste:\n"
-               + "".join(f"  export {k}={v}\n" for k, v in client_env.items()))
+               + "".join(f"  export {k}={shlex.quote(v)}\n" for k, v in client_env.items()))
 
 
 def client_hint(env_file: Path, cwd: Path, command: str) -> str:
@@ -316,7 +365,7 @@ def _what_stays_running() -> None:
     from workers.runtime import get_runtime
 
     rt = get_runtime()
-    live = rt.store.leases([LeaseState.PROVISIONING, LeaseState.ACTIVE,
+    live = rt.store.leases([LeaseState.PROVISIONING, LeaseState.WARM, LeaseState.ACTIVE,
                             LeaseState.PENDING_CLEANUP, LeaseState.DESTROYING])
     sandboxes = []
     for name in rt.settings.providers:
@@ -336,11 +385,20 @@ def _what_stays_running() -> None:
     if ending:
         say(f"{ending} lease(s) being destroyed: the cleanup sweep finishes their destroy "
             "when leasekeeper runs again")
-    if ending < len(live) or not live:
-        command = command_name()
-        kept = (f"{len(live) - ending} live lease(s) kept so their runs can resume; "
-                if live else "")
-        say(f"{kept}to end them, start `{command} up` again and run `{command} leases "
+    command = command_name()
+    warm = [lease for lease in live if lease.state == LeaseState.WARM]
+    if warm:
+        # No run holds them, so nothing is kept for anyone; `--state active` leaves them.
+        pools = ", ".join(sorted({lease.pool or "?" for lease in warm}))
+        say(f"{len(warm)} warm pool member(s) of pool(s) {pools} "
+            f"({', '.join(lease.lease_id for lease in warm)}): to end them, start "
+            f"`{command} up` again and run `{command} leases destroy --state warm --yes` "
+            "(a pool still declared in LEASEKEEPER_POOLS fills again; start `up` without "
+            "it, and sweep.fill_pools drains its members itself)")
+    kept = len(live) - ending - len(warm)
+    if kept or not live:
+        held = f"{kept} live lease(s) kept so their runs can resume; " if live else ""
+        say(f"{held}to end them, start `{command} up` again and run `{command} leases "
             f"destroy --state active --yes` (or `{command} leases destroy <lease id>`)")
 
 

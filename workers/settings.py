@@ -342,7 +342,8 @@ class Settings(BaseSettings):
 
 
 def env_file_path() -> Path:
-    """Where `leasekeeper up` writes the settings its clients need (broker, store)."""
+    """Where `leasekeeper up` writes the settings its clients need (broker, store, the rest
+    of what it was started with but secrets)."""
     return Path(os.environ.get(f"{ENV_PREFIX}VAR_DIR") or ".var") / "env"
 
 

@@ -17,15 +17,32 @@ from pathlib import Path
 from providers.errors import ConfigError
 
 LOCK_NAME = "up.lock"
+# As `db upgrade` words it for the store's folder (workers/preflight.py: migrate).
+VAR_DIR_FIX = "point LEASEKEEPER_VAR_DIR at a directory this user can write"
 
 
 @contextlib.contextmanager
 def hold_var_dir(var_dir: Path) -> Iterator[Path]:
-    """Hold the var dir's lock while the block runs; ConfigError if another `up` holds it."""
+    """Hold the var dir's lock while the block runs; ConfigError if another `up` holds it,
+    or if the var dir cannot be made or written (one line, as `db upgrade` says it)."""
     var = var_dir.resolve()
-    var.mkdir(parents=True, exist_ok=True)
     path = var / LOCK_NAME
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    probe = var / f".up-probe-{os.getpid()}"
+    if var.exists() and not var.is_dir():
+        raise ConfigError(f"cannot use the var dir {var}: it is not a folder; "
+                          f"{VAR_DIR_FIX}")
+    try:
+        var.mkdir(parents=True, exist_ok=True)
+        # The lock file may be there from an earlier `up` while the folder no longer takes
+        # new files (read-only, immutable), and `up` writes its env file and logs there.
+        probe.touch()
+        probe.unlink()
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        where = ("no file can be created in it" if exc.filename == str(probe) else
+                 exc.filename)
+        raise ConfigError(f"cannot use the var dir {var}: {exc.strerror or exc}"
+                          f"{f' ({where})' if where else ''}; {VAR_DIR_FIX}") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

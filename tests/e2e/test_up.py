@@ -465,3 +465,96 @@ def test_a_runs_secret_stays_scrubbed_after_up_is_restarted(tmp_path: Path) -> N
                    "the run's sandbox reclaimed")
         said = second.interrupt()
     assert "no lease is live and no sandbox is running" in said, said
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["immutable", "regular-file", "under-proc"])
+def test_a_var_dir_up_cannot_use_is_refused_in_one_line(tmp_path: Path, kind: str) -> None:
+    # Before: "unexpected PermissionError / FileExistsError / FileNotFoundError: ...
+    # This is a leasekeeper bug", exit 1 (`leases list` and `db upgrade` said it in a line).
+    var = {"immutable": tmp_path / "v3", "regular-file": tmp_path / "file",
+           "under-proc": Path("/proc/nope/var")}[kind]
+    with contextlib.ExitStack() as stack:
+        if kind == "immutable":
+            var.mkdir()
+            subprocess.run(["chattr", "+i", str(var)], check=True)
+            stack.callback(subprocess.run, ["chattr", "-i", str(var)], check=False)
+        elif kind == "regular-file":
+            var.write_text("")
+        done = leasekeeper("up", env=user_env(LEASEKEEPER_VAR_DIR=str(var)), cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "unexpected" not in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"cannot use the var dir {var}" in done.stderr, done.stderr
+    assert "point LEASEKEEPER_VAR_DIR at a directory this user can write" in done.stderr
+    assert "starting" not in done.stdout  # refused before it started anything
+
+
+POOL = '[{"name": "py", "provider": "local", "size": 2, "template": {"command": ["sleep", "600"]}}]'
+
+
+@pytest.mark.timeout(600)
+def test_up_with_a_warm_pool_tells_other_shells_and_says_how_to_end_its_members(
+        tmp_path: Path) -> None:
+    # Before: .var/env carried only broker, store and queue, so `status` in another shell
+    # showed the pool as "(removed)" and judged sweeps by default intervals; and Ctrl-C
+    # said "no lease(s) and 2 sandbox(es)", to run `leases destroy --state active --yes`,
+    # which leaves the warm members running.
+    secrets = {"LEASEKEEPER_FLOWER_BASIC_AUTH": "op:hunter2-flower",
+               "LEASEKEEPER_SECRET_MARKS_KEY": "hunter2-marks"}
+    env = user_env(LEASEKEEPER_FLOWER_PORT="0", LEASEKEEPER_POOLS=POOL,
+                   LEASEKEEPER_FILL_POOLS_INTERVAL_S="1", LEASEKEEPER_ORPHANS_INTERVAL_S="77",
+                   **secrets)
+    other_shell = user_env()  # the same directory, none of up's variables
+    env_file = tmp_path / ".var" / "env"
+    with contextlib.ExitStack() as stack:
+        stack.callback(_kill_sandboxes, tmp_path / ".var" / "sandboxes")
+        said, members = _up_with_a_pool(tmp_path, env, other_shell, secrets)
+    assert "stays running after leasekeeper stops: 2 warm lease(s)" in said, said
+    assert all(f"lk-{member}" in said for member in members), said
+    assert "leases destroy --state warm --yes" in said, said
+    assert not env_file.exists()
+
+
+def _kill_sandboxes(root: Path) -> None:
+    """The warm members' processes that `up` leaves running by design."""
+    from providers.local import _start_ticks
+
+    for record in root.glob("*/lease.json"):
+        meta = json.loads(record.read_text())
+        if isinstance(meta.get("pid"), int) and _start_ticks(meta["pid"]) == meta.get(
+                "start_ticks"):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(meta["pid"], signal.SIGKILL)
+
+
+def _up_with_a_pool(tmp_path: Path, env: dict[str, str], other_shell: dict[str, str],
+                    secrets: dict[str, str]) -> tuple[str, list[str]]:
+    env_file = tmp_path / ".var" / "env"
+    with up(tmp_path, env) as running:
+        running.wait_for("press Ctrl-C to stop")
+        assert env_file.stat().st_mode & 0o777 == 0o600
+        written = env_file.read_text()
+        for value in secrets.values():
+            assert value not in written and value not in running.text
+        assert "FLOWER_BASIC_AUTH" not in written and "SECRET_MARKS_KEY" not in written
+
+        def warm() -> list[str] | None:
+            listed = leasekeeper("leases", "list", "--state", "warm", "--json",
+                                 env=other_shell, cwd=tmp_path)
+            assert listed.returncode == 0, listed.stderr
+            ids = [x["lease_id"] for x in json.loads(listed.stdout)["leases"]]
+            return ids if len(ids) == 2 else None
+        members = eventually(warm, 120, "two warm pool members")
+        status = leasekeeper("status", "--json", env=other_shell, cwd=tmp_path)
+        assert status.returncode in (0, 1), status.stderr
+        assert "(removed)" not in leasekeeper("status", env=other_shell, cwd=tmp_path).stdout
+        intervals = {t["sweep"]: t["interval_s"] for t in json.loads(status.stdout)["sweeps"]}
+        assert intervals["sweep.orphans"] == 77
+        assert intervals["sweep.fill_pools"] == 1
+        pools = leasekeeper("pools", env=other_shell, cwd=tmp_path)
+        assert pools.returncode in (0, 1), pools.stderr
+        assert "py" in pools.stdout and "removed" not in pools.stdout, pools.stdout
+        said = running.interrupt()
+    assert running.proc.returncode == 0, said
+    return said, members
