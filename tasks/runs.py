@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.schema import RunStatus
-from models.store import RunChange
+from models.store import RunChange, RunEnd
 from providers.errors import InvalidRequest
 from providers.spec import check_id
 from tasks import secret_marks
@@ -49,6 +49,20 @@ def clean_error(error: str | None, marks: secret_marks.Marks | None = None) -> s
         return text
     note = f"... [{len(text)} characters; the rest cut]"
     return text[:ERROR_MAX_CHARS - len(note)] + note
+
+
+def exited_run(code: int | None, reason: str | None) -> RunEnd:
+    """How a run ends when its sandbox's command ended by itself (sweep.finish_exited, and
+    a resume check that finds it ended): ``completed`` for exit code 0, ``failed``
+    otherwise, the code recorded; stopped before it exited (``reason``, e.g. a Job's
+    ``DeadlineExceeded``): ``failed``, no exit code. The text holds only the code and the
+    provider's fixed stop reason: no secret can be in it."""
+    if code is None:
+        return RunEnd(RunStatus.FAILED, None, f"the sandbox was stopped before its command "
+                                              f"exited ({reason}); no exit code")
+    if code == 0:
+        return RunEnd(RunStatus.COMPLETED, 0, None)
+    return RunEnd(RunStatus.FAILED, code, f"the sandbox command exited with code {code}")
 
 
 def parse_finish(run_id: object, status: object, exit_code: object, error: object = None
