@@ -38,8 +38,9 @@ from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError, SQLAlch
 from sqlalchemy.orm import Session, sessionmaker
 from sqlalchemy.pool import PoolProxiedConnection, QueuePool
 
-from models.rawsql import Change, RawSql
+from models.rawsql import Change, RawSql, SessionCursor
 from models.schema import (
+    FINAL_STATES,
     TERMINAL_RUN_STATUSES,
     ClaimedLease,
     Lease,
@@ -107,6 +108,15 @@ def run_bindable(bound_lease: str | None, lease_id: str | None) -> list[ColumnEl
     ok: list[ColumnElement[bool]] = [_RUNS.c.lease_id.is_(None)]
     ok += [_RUNS.c.lease_id == b for b in (bound_lease, lease_id) if b is not None]
     return [or_(*ok)]
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """How the runs on a lease end when its sandbox's command ended by itself."""
+
+    status: RunStatus
+    exit_code: int | None
+    error: str | None
 
 
 class RunChange(StrEnum):
@@ -769,6 +779,28 @@ class Store:
                         first_end_reason)
         with self.raw_tx() as cur:
             return self.raw.move(cur, change, utcnow())
+
+    def move_ending_runs(self, lease_id: str, expected: Iterable[str], to: LeaseState,
+                         reason: str, task_id: str | None, ended: RunEnd,
+                         **values: Any) -> bool:
+        """:meth:`move`, for a lease whose command ended by itself: if (and only if) the
+        lease moved, every run still running or interrupted on it is finished as ``ended``
+        says, in the same transaction, as sweep.finish_exited would finish it; its later
+        end then finds no run to abort. Not for a final state (that change aborts its runs
+        itself). No reclaim is due: the caller destroys the lease."""
+        if to in FINAL_STATES:
+            raise ValueError(f"a change to {to} settles its runs itself")
+        change = Change(lease_id, frozenset(expected), to, reason, task_id, values)
+        with self.tx() as s:
+            now = utcnow()
+            if not self.raw.move(SessionCursor(s.connection()), change, now):
+                return False
+            s.execute(update(Run).where(Run.lease_id == lease_id,
+                                        Run.status.in_(UNFINISHED_RUN_STATUSES))
+                      .values(status=ended.status, exit_code=ended.exit_code,
+                              error=ended.error, finished_at=now, reclaim_due=False,
+                              reclaim_claimed_until=None))
+            return True
 
     def extend_acquire_deadline(self, run_id: str, until: datetime) -> int:
         """Push the acquire deadline of the run's provisioning lease out to ``until``.

@@ -99,14 +99,26 @@ class ResumeResult:
     outcome: ResumeOutcome
     reason: str = ""
     details: Meta = field(default_factory=dict)
+    # Not resumable because the workload's command ended: as ManagedResource's fields (its
+    # exit code; or, stopped before it exited, the reason), so the check records the runs
+    # as sweep.finish_exited would. None when the provider cannot tell.
+    exit_code: int | None = None
+    exit_reason: str | None = None
 
     @classmethod
     def resumable(cls, **details: Any) -> ResumeResult:
         return cls(ResumeOutcome.RESUMABLE, "", details)
 
     @classmethod
-    def not_resumable(cls, reason: str) -> ResumeResult:
-        return cls(ResumeOutcome.NOT_RESUMABLE, reason)
+    def not_resumable(cls, reason: str, exit_code: int | None = None,
+                      exit_reason: str | None = None) -> ResumeResult:
+        return cls(ResumeOutcome.NOT_RESUMABLE, reason, exit_code=exit_code,
+                   exit_reason=exit_reason)
+
+    @property
+    def exited(self) -> bool:
+        """The command is known to have ended (unknown is never taken for ended)."""
+        return self.exit_code is not None or bool(self.exit_reason)
 
 
 @dataclass(frozen=True)

@@ -336,7 +336,8 @@ class LocalProvider:
             if ticks is None:
                 code = self.exit_code(handle)
                 suffix = f" with exit code {code}" if code is not None else ""
-                return ResumeResult.not_resumable(f"process {ident.pid} exited{suffix}")
+                return ResumeResult.not_resumable(f"process {ident.pid} exited{suffix}",
+                                                  exit_code=code)
             if ticks != ident.start_ticks:
                 return ResumeResult.not_resumable(
                     f"process {ident.pid} exited and its pid was reused"

@@ -64,6 +64,7 @@ from tasks.base import LeaseTask
 from tasks.destroy import destroy_lease
 from tasks.leases import expired, handle, later, new_lease_id, sandbox_key
 from tasks.redaction import is_secret_field, scrub_text
+from tasks.resume import mark_not_resumable
 from tasks.runs import clean_error
 from tasks.same_spec import require_same_spec
 from workers.app import app
@@ -253,11 +254,10 @@ def _try_reuse(
         rt.store.touch(live.lease_id)
         return _acquisition(AcquireResult.REUSED, run_id, live)
     # Not resumable (pods cannot be restarted in place): clean it up, then acquire fresh.
-    marked = rt.store.transition(live.lease_id, {LeaseState.ACTIVE}, LeaseState.PENDING_CLEANUP,
-                                 f"not resumable: {check.reason}", task_id,
-                                 end_reason="expired" if ended else "not_resumable",
-                                 next_cleanup_at=utcnow())
-    if marked is not None:
+    # The thread's earlier runs still on it get its command's exit, if the check found one.
+    marked = mark_not_resumable(rt, live.lease_id, check, task_id,
+                                "expired" if ended else "not_resumable", utcnow())
+    if marked:
         destroy_lease(rt, live.lease_id, "not resumable at reuse", task_id)
     return None
 

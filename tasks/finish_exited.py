@@ -9,6 +9,8 @@ e.g. a Job killed by its active deadline: ``DeadlineExceeded``) finishes its run
 ``failed`` with that reason and no exit code. Each run goes through run.finish's own code
 path (``tasks.runs.finish``), so its reclaim is enqueued exactly when run.finish would
 enqueue it (never for a reused sandbox's runs); each run counts against the batch.
+A resume check that finds the exit first records the runs the same way (tasks/resume.py;
+``tasks.runs.exited_run`` is the one mapping): the record does not depend on who noticed.
 Unknown (no ``exit_code`` and no ``exit_reason``) is never taken for finished. The guarded
 finish is the claim: of two overlapping ticks, only one changes the run and enqueues its
 reclaim. A warm pool member whose command exited (it has no run) is no use to any run: it
@@ -22,10 +24,10 @@ from enum import StrEnum
 
 from models.pool_store import PoolStore
 from models.schema import LeaseState, RunStatus
-from models.store import RunChange
+from models.store import RunChange, RunEnd
 from tasks.base import LeaseTask
 from tasks.pool_fill import breaker_policy
-from tasks.runs import finish
+from tasks.runs import exited_run, finish
 from tasks.sweeping import Summary, SweepContext, Tally, list_providers, sweep_task
 from workers.app import app
 
@@ -54,11 +56,8 @@ class _Exit:
         return f"exit code {self.code}" if self.code is not None else f"{self.reason}, no exit code"
 
     @property
-    def error(self) -> str | None:
-        if self.code is None:
-            return (f"the sandbox was stopped before its command exited ({self.reason}); "
-                    "no exit code")
-        return None if self.code == 0 else f"the sandbox command exited with code {self.code}"
+    def ended(self) -> RunEnd:
+        return exited_run(self.code, self.reason)
 
 
 def finish_exited(ctx: SweepContext) -> Tally:
@@ -93,12 +92,14 @@ def finish_exited(ctx: SweepContext) -> Tally:
             tally.add(ExitedOutcome.DEFERRED, run.run_id)
             continue
         budget -= 1
-        status, outcome = ((RunStatus.COMPLETED, ExitedOutcome.COMPLETED) if ended.code == 0
-                           else (RunStatus.FAILED, ExitedOutcome.FAILED))
+        end = ended.ended
+        outcome = (ExitedOutcome.COMPLETED if end.status == RunStatus.COMPLETED
+                   else ExitedOutcome.FAILED)
         if ctx.dry_run:
             tally.add(outcome, run.run_id, ended.detail)
             continue
-        change, reclaim_now = finish(rt, run.run_id, status, ended.code, ended.error)
+        change, reclaim_now = finish(rt, run.run_id, end.status, end.exit_code, end.error,
+                                     own_text=True)
         if change == RunChange.UNCHANGED:
             tally.add(ExitedOutcome.ALREADY_FINISHED, run.run_id)
             continue

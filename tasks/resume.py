@@ -3,20 +3,24 @@
 Expected states never raise: the answer is resumable (with details) or not resumable
 (with the reason). A lease found not resumable is no longer live: it is marked
 pending_cleanup and ``lease.destroy`` is enqueued, and the caller acquires a fresh one
-(sandboxes such as Kubernetes pods cannot be restarted in place). A resumable answer counts
-as activity and moves the idle deadline.
+(sandboxes such as Kubernetes pods cannot be restarted in place). When the provider says
+why: the command exited (its exit code, or a Job's stop reason), the lease's runs are
+finished with that exit in the same transaction, as sweep.finish_exited finishes them.
+A resumable answer counts as activity and moves the idle deadline.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from models.schema import LeaseState
-from providers.base import ResumeOutcome
+from providers.base import ResumeOutcome, ResumeResult
 from tasks.base import LeaseTask
 from tasks.destroy import destroy
 from tasks.leases import expired, handle, later
+from tasks.runs import exited_run
 from workers.app import app
 from workers.runtime import Runtime
 
@@ -55,12 +59,27 @@ def check_lease(rt: Runtime, lease_id: str, task_id: str | None) -> ResumeCheck:
     if result.outcome == ResumeOutcome.RESUMABLE:
         rt.store.touch(lease_id)
         return ResumeCheck(lease_id, result.outcome, "", result.details)
-    marked = rt.store.transition(
-        lease_id, {LeaseState.ACTIVE}, LeaseState.PENDING_CLEANUP,
-        f"not resumable: {result.reason}", task_id, end_reason="not_resumable",
-        next_cleanup_at=later(rt.settings.claim_timeout_s),
-    )
-    return ResumeCheck(lease_id, result.outcome, result.reason, destroy_enqueued=bool(marked))
+    moved = mark_not_resumable(rt, lease_id, result, task_id, "not_resumable",
+                               later(rt.settings.claim_timeout_s))
+    return ResumeCheck(lease_id, result.outcome, result.reason, destroy_enqueued=moved)
+
+
+def mark_not_resumable(rt: Runtime, lease_id: str, result: ResumeResult, task_id: str | None,
+                       end_reason: str, next_cleanup_at: datetime) -> bool:
+    """Move the active lease to pending_cleanup (its destroy is the caller's); whether this
+    caller moved it. If the provider says the command ended (an exit code, or a stop
+    reason), its runs are finished with that exit in the same transaction, as
+    sweep.finish_exited would finish them: the run's record does not depend on who noticed
+    first. Otherwise they stay as they are, and the lease's end aborts them."""
+    reason = f"not resumable: {result.reason}"
+    if result.exited:
+        return rt.store.move_ending_runs(
+            lease_id, {LeaseState.ACTIVE}, LeaseState.PENDING_CLEANUP, reason, task_id,
+            exited_run(result.exit_code, result.exit_reason), end_reason=end_reason,
+            next_cleanup_at=next_cleanup_at)
+    return rt.store.transition(
+        lease_id, {LeaseState.ACTIVE}, LeaseState.PENDING_CLEANUP, reason, task_id,
+        end_reason=end_reason, next_cleanup_at=next_cleanup_at) is not None
 
 
 @app.task(bind=True, base=LeaseTask, name="lease.resume_check")

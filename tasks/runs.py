@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from models.schema import LeaseState, RunStatus
-from models.store import RunChange
+from models.store import RunChange, RunEnd
 from providers.errors import InvalidRequest
 from providers.spec import check_id
 from tasks import secret_marks
@@ -51,6 +51,20 @@ def clean_error(error: str | None, marks: secret_marks.Marks | None = None) -> s
     return text[:ERROR_MAX_CHARS - len(note)] + note
 
 
+def exited_run(code: int | None, reason: str | None) -> RunEnd:
+    """How a run ends when its sandbox's command ended by itself (sweep.finish_exited, and
+    a resume check that finds it ended): ``completed`` for exit code 0, ``failed``
+    otherwise, the code recorded; stopped before it exited (``reason``, e.g. a Job's
+    ``DeadlineExceeded``): ``failed``, no exit code. The text holds only the code and the
+    provider's fixed stop reason: no secret can be in it."""
+    if code is None:
+        return RunEnd(RunStatus.FAILED, None, f"the sandbox was stopped before its command "
+                                              f"exited ({reason}); no exit code")
+    if code == 0:
+        return RunEnd(RunStatus.COMPLETED, 0, None)
+    return RunEnd(RunStatus.FAILED, code, f"the sandbox command exited with code {code}")
+
+
 def parse_finish(run_id: object, status: object, exit_code: object, error: object = None
                  ) -> tuple[str, RunStatus]:
     try:
@@ -75,15 +89,19 @@ def parse_finish(run_id: object, status: object, exit_code: object, error: objec
 
 
 def finish(
-    rt: Runtime, run_id: str, status: RunStatus, exit_code: int | None, error: str | None
+    rt: Runtime, run_id: str, status: RunStatus, exit_code: int | None, error: str | None,
+    *, own_text: bool = False,
 ) -> tuple[RunChange, bool]:
     """Finish the run; return whether it changed and whether a reclaim is now due. The
     error is recorded as :func:`clean_error` makes it (it may come from any caller), with
     the secret marks of the run and its thread: BrokerUnavailable (transient) when they
-    cannot be read, and nothing is stored."""
+    cannot be read, and nothing is stored. ``own_text``: the error is leasekeeper's own
+    (:func:`exited_run`'s, built from an exit code), never withheld for lost marks."""
     run = rt.store.get_run(run_id)
     lease = rt.store.find_lease(run.lease_id) if run and run.lease_id else None
-    if error:
+    if error and own_text:
+        error = clean_error(error)
+    elif error:
         marks = secret_marks.load(rt, run_id, run.thread_id if run else None)
         if lease is not None and marks.lost(lease.spec):
             error = secret_marks.withheld(error, "error")

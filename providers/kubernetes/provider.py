@@ -564,7 +564,13 @@ class KubernetesProvider:
         phase = job_phase(job)
         match phase:
             case JobPhase.SUCCEEDED | JobPhase.FAILED:
-                return ResumeResult.not_resumable(f"Job is {phase.value}")
+                # how it ended, as list_managed tells sweep.finish_exited (one more read,
+                # only for a finished Job), so the check records its runs the same way
+                stopped = job_stop_reason(job)
+                code = (None if stopped is not None else
+                        job_exit_code(job, api.list_pods(f"{JOB_NAME_LABEL}={name}")))
+                return ResumeResult.not_resumable(f"Job is {phase.value}", exit_code=code,
+                                                  exit_reason=stopped)
             case JobPhase.GONE:
                 return ResumeResult.not_resumable("Job no longer exists")
             case JobPhase.PENDING | JobPhase.RUNNING:

@@ -59,7 +59,22 @@ def test_finished_job_is_not_resumable_and_reports_its_exit(
     result = kenv.provider.resume_check(kenv.handle(request.name, "job"), 5)
     assert (result.outcome, result.reason) == (ResumeOutcome.NOT_RESUMABLE,
                                               f"Job is {phase.value}")
+    # and it says how the command ended, so the check records the run as the sweep does
+    assert (result.exit_code, result.exit_reason) == (code, None)
     assert kenv.provider.job_exit(kenv.handle(request.name, "job")) == (phase, code)
+
+
+def test_a_job_killed_by_its_deadline_is_not_resumable_and_reports_why(kenv: KubeEnv) -> None:
+    # its run is then recorded as sweep.finish_exited records it: failed, no exit code
+    request = kenv.request(backend="job", command=["sh", "-c", "while :; do sleep 1; done"],
+                           ttl_s=1)
+    kenv.provider.acquire(request)
+    kenv.wait("job", request.name, lambda job: any(
+        c.get("type") == "Failed" and c.get("reason") == "DeadlineExceeded"
+        for c in (job or {}).get("status", {}).get("conditions") or []))
+    result = kenv.provider.resume_check(kenv.handle(request.name, "job"), 5)
+    assert (result.outcome, result.reason) == (ResumeOutcome.NOT_RESUMABLE, "Job is Failed")
+    assert (result.exit_code, result.exit_reason) == (None, "DeadlineExceeded")
 
 
 def test_list_managed_reports_finished_jobs_exit_codes_in_four_requests(

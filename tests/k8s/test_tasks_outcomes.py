@@ -134,11 +134,16 @@ def test_resume_sandbox_terminating(kube_stack: KubeStack) -> None:
 
 def test_resume_job_failed(kube_stack: KubeStack) -> None:
     ks = kube_stack
-    acquired = acquire(ks, backend="job", command=["sh", "-c", "exit 3"])
+    run_id = rid()
+    acquired = acquire(ks, run_id, backend="job", command=["sh", "-c", "exit 3"])
     name = acquired["provider_lease_id"]
     ks.env.wait("job", name, condition_is("Failed"))
     assert not_resumable(ks, acquired["lease_id"]) == "Job is Failed"
     ks.env.wait("job", name, gone)
+    # its run is recorded as sweep.finish_exited records it, not aborted by the destroy
+    run = ks.run(run_id)
+    assert (run.status, run.exit_code, run.error) == (
+        RunStatus.FAILED, 3, "the sandbox command exited with code 3")
 
 
 # backend, the read that fails (method, path regex with {name}), the answer, the error

@@ -66,6 +66,20 @@ def test_non_zero_exit_fails_the_run_with_its_code(rt: Runtime, effects: Recorde
     assert rt.provider("local").list_managed() == []
 
 
+def test_the_exit_text_is_stored_even_when_the_runs_secret_marks_are_gone(
+        rt: Runtime, effects: Recorder) -> None:
+    # The acquire here leaves no secret marks (the task does; acquire_lease alone does not):
+    # as after a Redis that lost them. A caller's error would be withheld then; the sweep's
+    # own text holds only the exit code, and is stored.
+    lease_id = acquire(rt, "run-marked", command=["sh", "-c", "exit 3"],
+                       secret_env={"API_TOKEN": "a-secret-of-some-length"})
+    assert exited(rt, lease_id) == 3
+    assert finish_exited(SweepContext(rt, effects))[ExitedOutcome.FAILED] == 1
+    run = rt.store.get_run("run-marked")
+    assert (run.status, run.exit_code, run.error) == (
+        RunStatus.FAILED, 3, "the sandbox command exited with code 3")
+
+
 def test_unknown_is_never_finished(rt: Runtime, effects: Recorder) -> None:
     running = acquire(rt, "run-running")  # the idle shell: still running
     killed = acquire(rt, "run-killed")
