@@ -21,11 +21,12 @@ def register(cli: typer.Typer) -> None:
 @db_cli.command("upgrade")
 def db_upgrade(revision: str = "head") -> None:
     """Apply migrations to LEASEKEEPER_STORE_URL (default: SQLite in LEASEKEEPER_VAR_DIR)."""
+    from workers.db_revisions import reached
     from workers.preflight import migrate, shown
 
     url = get_settings().effective_store_url
     migrate(url, revision)
-    typer.echo(f"store {shown(url)} is at {revision}")
+    typer.echo(f"store {shown(url)} {reached(url, revision)}")
 
 
 @db_cli.command("current")
@@ -33,12 +34,14 @@ def db_current() -> None:
     """The store's migration against this leasekeeper's latest. Exit 0 when they match, 1
     when the store needs `leasekeeper db upgrade` or a newer leasekeeper migrated it."""
     from workers.db_revisions import SchemaPosition, schema_position
-    from workers.preflight import check_driver, shown
+    from workers.preflight import check_driver, shown, sqlite_store_file
 
     url = get_settings().effective_store_url
     check_driver(url)
     where = schema_position(url)
-    typer.echo(f"store {shown(url)}: {where.describe()}")
+    path = sqlite_store_file(url)
+    absent = f"there is no store at {path}, " if path is not None and not path.is_file() else ""
+    typer.echo(f"store {shown(url)}: {absent}{where.describe()}")
     raise typer.Exit(ExitCode.OK if where.position == SchemaPosition.AT_HEAD
                      else ExitCode.NEEDS_ATTENTION)
 

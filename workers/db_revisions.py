@@ -17,6 +17,7 @@ from workers.preflight import (
     migration_script,
     newer_store_message,
     shown,
+    sqlite_store_file,
     store_error,
     unknown_revisions,
 )
@@ -58,7 +59,7 @@ class Where:
 
 def schema_position(url: str) -> Where:
     """Where the store's schema stands (its driver already checked: ``check_driver``)."""
-    current = tuple(sorted(current_revisions(url)))
+    current = tuple(sorted(_recorded(url)))
     heads = tuple(sorted(migration_heads()))
     if unknown_revisions(url, set(current)):
         return Where(SchemaPosition.NEWER, current, heads, ())
@@ -66,6 +67,30 @@ def schema_position(url: str) -> Where:
         return Where(SchemaPosition.AT_HEAD, current, heads, ())
     position = SchemaPosition.BEHIND if current else SchemaPosition.NEVER_MIGRATED
     return Where(position, current, heads, _above(heads, current))
+
+
+def _recorded(url: str) -> set[str]:
+    """The migrations the store records; none, without connecting, for a SQLite file that
+    is not there (connecting would create it, empty). ConfigError if its folder is not
+    there either."""
+    path = sqlite_store_file(url)
+    return set() if path is not None and not path.is_file() else current_revisions(url)
+
+
+def reached(url: str, revision: str) -> str:
+    """What `db upgrade --revision REVISION` says once done: where the store is, and,
+    when it is past REVISION (upgrade leaves it there), that nothing was to be done."""
+    from alembic.script.revision import RevisionError
+    from alembic.util.exc import CommandError
+
+    at = ", ".join(sorted(current_revisions(url))) or BASE
+    try:
+        target = migration_script().get_revision(revision)
+    except (CommandError, RevisionError):  # "heads", "+1": the store is where it is
+        target = None
+    if target is None or target.revision == at or revision == BASE:
+        return f"is at {at}"
+    return f"is already at {at}, past {target.revision}: nothing to do"
 
 
 def _above(heads: tuple[str, ...], current: tuple[str, ...]) -> tuple[str, ...]:
@@ -90,7 +115,7 @@ def plan_downgrade(url: str, revision: str) -> Downgrade:
     from alembic.util.exc import CommandError
 
     check_driver(url)
-    current = current_revisions(url)
+    current = _recorded(url)
     newer = unknown_revisions(url, current)
     if newer:
         raise NewerStore(newer_store_message(url, newer))

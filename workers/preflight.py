@@ -4,7 +4,8 @@ naming the setting, the address and the fix, never a traceback or a silent hang.
     check_broker(url)   Redis answers a PING within a second or two (not something
                         else, an HTTP server, say)                   -> BrokerUnavailable
                         and takes the URL's password                 -> ConfigError
-    check_store(url)    the driver is installed, the SQLite folder and file exist, the
+    check_store(url)    the driver is installed, the SQLite folder and file exist (and
+                        can be opened: not a read-only folder), the
                         schema is at the latest migration            -> ConfigError
                                                                          StoreUnavailable
     check_store_writable(url)  it takes writes (not a replica, not a read-only file,
@@ -19,8 +20,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -116,7 +119,10 @@ def migrate(url: str, revision: str = "head") -> None:
         upgrade(url, revision)
     except SQLAlchemyError as exc:
         raise store_error(url, exc, "cannot migrate") from None
-    except OSError as exc:  # the SQLite store's folder cannot be made
+    except OSError as exc:  # the SQLite store's folder cannot be made, or its file opened
+        read_only = read_only_sqlite(url)
+        if read_only is not None:  # the folder is there: not "cannot create" it
+            raise ConfigError(f"cannot migrate the store {shown(url)}: {read_only}") from None
         raise ConfigError(
             f"cannot create the store's folder for {shown(url)}: {exc.strerror or exc}"
             f"{f' ({exc.filename})' if exc.filename else ''}; point LEASEKEEPER_STORE_URL "
@@ -144,10 +150,12 @@ def newer_store_message(url: str, revisions: list[str]) -> str:
             "--yes` run with that newer version, which has those migrations")
 
 
-def check_store(url: str) -> None:
+def sqlite_store_file(url: str) -> Path | None:
+    """A SQLite store's database file, once its folder is known to be there (ConfigError
+    naming the folder otherwise); None for another database. Creates nothing, and opens
+    nothing: connecting would leave an empty file where no store was."""
     from models.migrate import sqlite_file
 
-    check_driver(url)
     path = sqlite_file(url)
     if path is not None:
         if path.parent.exists() and not path.parent.is_dir():
@@ -161,8 +169,52 @@ def check_store(url: str) -> None:
                 f"{shown(url)}): point LEASEKEEPER_STORE_URL (or LEASEKEEPER_VAR_DIR) at the "
                 f"right place, or create the folder and {UPGRADE}"
             )
+    return path
+
+
+def read_only_sqlite(url: str) -> str | None:
+    """What is read-only of a SQLite store whose folder exists, and what to do, if its
+    folder or file is (for this user: permissions, ``chattr +i``, a read-only mount); None
+    otherwise. Said where SQLite only says "unable to open database file" (it cannot
+    create the -wal and -shm files in a read-only folder) and where a migration cannot
+    open the file to lock it."""
+    from models.migrate import sqlite_file
+
+    path = sqlite_file(url)
+    if path is None or not path.parent.is_dir():
+        return None
+    if not os.access(path.parent, os.W_OK):
+        what, fix = (f"the store's folder {path.parent} is read-only",
+                     "make the folder writable by this user (SQLite creates the store's "
+                     "-wal and -shm files in it)")
+    elif path.exists() and not os.access(path, os.W_OK):
+        what, fix = (f"the SQLite file {path} is read-only",
+                     "make it (and its -wal and -shm files) writable by this user")
+    else:
+        return None
+    return (f"{what} (its permissions, an immutable attribute or a read-only mount): "
+            f"{fix}, or point LEASEKEEPER_STORE_URL at a writable store")
+
+
+def _in_wal_mode(path: Path) -> bool:
+    """The SQLite file is in WAL mode (its header's read and write versions are 2)."""
+    with open(path, "rb") as file:
+        header = file.read(20)
+    return header[18:20] == b"\x02\x02"
+
+
+def check_store(url: str) -> None:
+    check_driver(url)
+    path = sqlite_store_file(url)
+    if path is not None:
         if not path.is_file():
             raise ConfigError(f"there is no store at {path} (never migrated): {UPGRADE}")
+        read_only = read_only_sqlite(url)
+        if read_only is not None and not _in_wal_mode(path):
+            # The store's first connection puts the file in WAL mode (models/store.py): a
+            # write, which fails ("unable to open database file" in a read-only folder).
+            # In WAL mode already, it may still be read: schema_position finds out.
+            raise ConfigError(f"cannot open the store {shown(url)}: {read_only}")
     from workers.db_revisions import SchemaPosition, schema_position
 
     where = schema_position(url)
@@ -330,6 +382,15 @@ def store_error(url: str, exc: SQLAlchemyError, doing: str) -> ConfigError | Sto
                 return ConfigError(f"{doing} the store {shown(url)}: the server says "
                                    f"{fatal[:200]!r}: {fix} (LEASEKEEPER_STORE_URL)")
     first = text.splitlines()[0][:200] if text else ""
+    if "unable to open database file" in first:  # SQLite's word for any of these
+        try:
+            sqlite_store_file(url)
+        except ConfigError as no_folder:
+            return no_folder
+        read_only = read_only_sqlite(url)
+        if read_only is not None:  # it is there, but SQLite cannot open it: say so
+            doing = "cannot open" if doing == "cannot reach" else doing
+            return ConfigError(f"{doing} the store {shown(url)}: {read_only}")
     sqlstate = getattr(orig, "sqlstate", None)
     if sqlstate in _NOT_ALLOWED:
         who = make_url(url).username or "the URL's user"

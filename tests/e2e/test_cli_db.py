@@ -7,6 +7,7 @@ above the target and one a newer leasekeeper migrated are refused in one line, e
 from __future__ import annotations
 
 import subprocess
+from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, text
@@ -123,3 +124,57 @@ def test_a_store_a_newer_leasekeeper_migrated_is_named_and_not_touched(store_url
     assert refused.returncode == 2
     short_error(refused, "0099_future", "with that newer version")
     assert revision_of(store_url) == "0099_future"
+
+
+@pytest.mark.parametrize(("revision", "named"), [
+    ("0005", "0005_pools13"), ("0010", "0010_perf12"), ("0010_perf12", "0010_perf12")])
+def test_an_upgrade_to_a_revision_the_store_is_past_says_where_it_really_is(
+        store_url: str, revision: str, named: str) -> None:
+    # Before: "store ... is at 0005" (rc 0), the argument echoed; `db current` said 0012.
+    (head,) = migration_heads()
+    done = db(store_url, "upgrade", "--revision", revision)
+    assert done.returncode == 0, done.stderr
+    assert f"is already at {head}, past {named}: nothing to do" in done.stdout, done.stdout
+    assert f"is at {revision}" not in done.stdout
+    assert revision_of(store_url) == head
+
+
+def test_an_upgrade_names_the_revision_it_reached(store_url: str) -> None:
+    (head,) = migration_heads()
+    assert db(store_url, "downgrade", "0004", "--yes").returncode == 0
+    up = db(store_url, "upgrade", "--revision", "0005")
+    assert up.returncode == 0, up.stderr
+    assert up.stdout.strip().endswith("is at 0005_pools13"), up.stdout
+    latest = db(store_url, "upgrade", "--revision", "head")
+    assert latest.returncode == 0, latest.stderr
+    assert latest.stdout.strip().endswith(f"is at {head}"), latest.stdout
+    assert revision_of(store_url) == head
+
+
+def test_current_and_downgrade_on_a_never_migrated_sqlite_path_create_nothing(
+        tmp_path: Path) -> None:
+    # Before: both left an empty 0-byte file where the store would be.
+    path = tmp_path / "never.db"
+    url = f"sqlite:///{path}"
+    current = db(url, "current")
+    assert current.returncode == 1, current.stderr  # never migrated: exit 1 (README)
+    assert f"there is no store at {path}" in current.stdout, current.stdout
+    assert "never migrated" in current.stdout and "leasekeeper db upgrade" in current.stdout
+    refused = db(url, "downgrade", "base", "--yes")
+    assert refused.returncode == 2
+    short_error(refused, "never migrated", "nothing to downgrade")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_current_in_a_folder_that_does_not_exist_says_so_as_leases_list_does(
+        tmp_path: Path) -> None:
+    # Before: "cannot reach the store ... unable to open database file", rc 3.
+    url = f"sqlite:///{tmp_path}/nonexistent/dir/x.db"
+    said = f"the store's folder {tmp_path}/nonexistent/dir does not exist"
+    listed = leasekeeper("leases", "list", env=cli_env(LEASEKEEPER_STORE_URL=url))
+    assert listed.returncode == 2
+    short_error(listed, said)
+    current = db(url, "current")
+    assert current.returncode == 2
+    short_error(current, said, "LEASEKEEPER_STORE_URL")
+    assert list(tmp_path.iterdir()) == []

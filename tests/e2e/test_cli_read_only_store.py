@@ -6,7 +6,10 @@ both called it healthy (they only read), while every task failed on its first wr
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ import pytest
 from models.migrate import upgrade
 from models.store import Store
 from tests.e2e.conftest import cli_env, leasekeeper
+from tests.e2e.test_cli_errors import short_error
 from tests.services import PostgresServer, RedisServer
 from tests.store.test_store_refuses_writes import admin
 
@@ -64,3 +68,82 @@ def test_a_read_only_postgresql_database(postgres_server: PostgresServer, tmp_pa
     admin(postgres_server, "postgres",
           f"ALTER DATABASE {name} SET default_transaction_read_only = on")
     assert_not_writable(env, "read-only", "point LEASEKEEPER_STORE_URL at the primary")
+
+
+@pytest.fixture
+def immutable(tmp_path: Path) -> Iterator[Callable[[Path], None]]:
+    """Makes a file or folder read-only even for root (``chattr +i``: the tests run as
+    root, whom permissions do not stop); every one is made mutable again at teardown,
+    whatever the test did."""
+    if shutil.which("chattr") is None:
+        pytest.skip("chattr is not installed: cannot make a folder read-only for root")
+    probe = tmp_path / "chattr-probe"
+    probe.touch()
+    tried = subprocess.run(["chattr", "+i", str(probe)], capture_output=True, text=True,
+                           check=False)
+    subprocess.run(["chattr", "-i", str(probe)], capture_output=True, check=False)
+    probe.unlink()
+    if tried.returncode != 0:
+        pytest.skip(f"chattr +i does not work on {tmp_path}'s filesystem: "
+                    f"{tried.stderr.strip()}")
+    made: list[Path] = []
+
+    def make(path: Path) -> None:
+        made.append(path)
+        subprocess.run(["chattr", "+i", str(path)], check=True)
+
+    try:
+        yield make
+    finally:
+        for path in reversed(made):
+            subprocess.run(["chattr", "-i", str(path)], check=False)
+
+
+def a_sqlite_store(folder: Path, *, used: bool) -> str:
+    """A migrated SQLite store in ``folder``; ``used``: opened by a Store since, so in WAL
+    mode (as the workers leave it; its -wal and -shm files are gone once closed)."""
+    folder.mkdir()
+    url = f"sqlite:///{folder / 'store.db'}"
+    upgrade(url)
+    if used:
+        store = Store(url)
+        store.leases()
+        store.dispose()
+    return url
+
+
+@pytest.mark.parametrize("used", [True, False], ids=["wal", "just-migrated"])
+@pytest.mark.parametrize("file_too", [False, True], ids=["folder", "folder-and-file"])
+def test_a_read_only_sqlite_folder_is_named_with_the_fix(
+        tmp_path: Path, immutable: Callable[[Path], None], used: bool,
+        file_too: bool) -> None:
+    # Before: "cannot reach the store ... OperationalError: unable to open database file"
+    # (or "... is unavailable ...; the task will retry"), exit 3. A store just migrated
+    # is not in WAL mode yet, and a Store's first connection writes it so: `db current`
+    # alone, which only reads, still answers then.
+    folder = tmp_path / "var"
+    url = a_sqlite_store(folder, used=used)
+    if file_too:
+        immutable(folder / "store.db")
+    immutable(folder)
+    env = cli_env(LEASEKEEPER_STORE_URL=url, LEASEKEEPER_VAR_DIR=str(tmp_path))
+    for command in (["leases", "list"], ["check"], *([["db", "current"]] if used else [])):
+        done = leasekeeper(*command, env=env)
+        assert done.returncode == 2, (command, done.stdout, done.stderr)
+        short_error(done, f"the store's folder {folder} is read-only",
+                    "LEASEKEEPER_STORE_URL", "writable")
+        assert "unable to open database file" not in done.stderr
+
+
+def test_an_upgrade_of_a_read_only_sqlite_file_names_the_file(
+        tmp_path: Path, immutable: Callable[[Path], None]) -> None:
+    # Before: "cannot create the store's folder ...: Operation not permitted", though the
+    # folder was there (and writable).
+    folder = tmp_path / "var"
+    url = a_sqlite_store(folder, used=True)
+    immutable(folder / "store.db")
+    done = leasekeeper("db", "upgrade", env=cli_env(LEASEKEEPER_STORE_URL=url))
+    assert done.returncode == 2, done.stdout + done.stderr
+    short_error(done, f"the SQLite file {folder / 'store.db'} is read-only",
+                "LEASEKEEPER_STORE_URL")
+    assert "cannot create the store's folder" not in done.stderr
