@@ -76,6 +76,9 @@ def _rowcount(result: Any) -> int:
 
 
 UNFINISHED_RUN_STATUSES = (RunStatus.RUNNING, RunStatus.INTERRUPTED)
+# How an unavailable store's message ends: what a task does about it. A reader that runs
+# no task (the exporter) takes it off and says what it does instead.
+TASK_WILL_RETRY = "; the task will retry"
 
 
 def leaseless(started_by: datetime | None = None) -> list[ColumnElement[bool]]:
@@ -404,7 +407,7 @@ class Store:
                  if "statement timeout" in said else "")
         return StoreUnavailable(
             f"the lease store at {self.engine.url.render_as_string(hide_password=True)}"
-            f" is unavailable ({type(orig).__name__}: {said}){limit}; the task will retry")
+            f" is unavailable ({type(orig).__name__}: {said}){limit}{TASK_WILL_RETRY}")
 
     def _hot(self) -> _HotConnection:
         """This thread's connection for the plain-SQL path, checked out of the pool once

@@ -153,16 +153,20 @@ def _next(unit: str) -> str:
 
 
 _DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*")
-_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_DURATION_D = 36500  # 100 years: older than any lease, and still a date
 
 
 def parse_duration(text: str, option: str) -> timedelta:
-    """'90s', '15m', '2h', '1d' (a bare number is seconds), at most MAX_DURATION_D days."""
+    """'90s', '15m', '2h', '1d', at most MAX_DURATION_D days. A bare number is refused, as
+    the help asks for a unit: '10' could be meant as minutes as well as seconds."""
     match = _DURATION.fullmatch(text)
     if match is None:
         raise typer.BadParameter(f"{text!r} is not a duration; use e.g. 90s, 15m, 2h or 1d",
                                  param_hint=option)
+    if not match.group(2):
+        raise typer.BadParameter(f"{text.strip()[:40]!r} has no unit; add s, m, h or d "
+                                 "(e.g. 90s, 15m, 2h or 1d)", param_hint=option)
     seconds = float(match.group(1)) * _UNITS[match.group(2)]
     if seconds > MAX_DURATION_D * 86400:
         raise typer.BadParameter(f"{text.strip()[:40]!r} is more than 100 years; give at most "
@@ -181,6 +185,9 @@ def not_empty(value: Any) -> Any:
         if v is not None and re.search("[\ud800-\udfff]", v):
             raise typer.BadParameter(f"{v[:40]!r} is not valid text (bytes that are not "
                                      "UTF-8); give the value as text")
+        if v is not None and not v.isprintable():  # as the console's filters (a 400)
+            raise typer.BadParameter(f"{v[:40]!r} must be printable text, without control "
+                                     "characters")
     return value
 
 

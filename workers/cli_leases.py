@@ -257,6 +257,17 @@ def leases_destroy(
         typer.echo(table(["lease", "result", "state", "task", "error"],
                          [[r["lease_id"], r.get("result"), r.get("state"), r["task_id"],
                            r.get("error")] for r in results]))
+    # Nothing to destroy, and nothing failed now (exit 0): the lease's cleanup gave up
+    # earlier, and only retry or forget moves it on.
+    abandoned = [r["lease_id"] for r in results
+                 if r.get("result") == "already_ended" and r.get("state") == LeaseState.ABANDONED]
+    if abandoned:
+        one = len(abandoned) == 1
+        which = abandoned[0] if one else "<id>"
+        subject = f"lease {which} is" if one else f"{len(abandoned)} leases are"
+        error_line(f"{subject} abandoned (cleanup gave up; destroy does not try again): "
+                   f"`leasekeeper leases retry {which}` gives it fresh cleanup attempts, or "
+                   f"`leasekeeper leases forget {which}` once it was removed by hand")
     if queued:
         error_line(f"no worker answered within {wait_s:g} s; the destroy of {queued} "
                    "lease(s) is queued and runs when a worker takes it; check "

@@ -77,7 +77,7 @@ def refused(done: subprocess.CompletedProcess[str], option: str, *needles: str) 
 def test_a_duration_past_100_years_is_refused(store: Store, env: dict[str, str]) -> None:
     # Before: OverflowError tracebacks ("date value out of range", "Python int too large").
     add(store, LeaseState.ACTIVE)
-    for value in ("999999d", "99999999999d", "36501d", "9" * 400):
+    for value in ("999999d", "99999999999d", "36501d", "9" * 400 + "s"):
         for command in (["leases", "list"], ["leases", "destroy", "--state", "active"]):
             refused(leasekeeper(*command, "--older-than", value, env=env), "--older-than",
                     "100 years")
@@ -295,3 +295,50 @@ def test_a_destroy_past_its_limit_says_how_many_more_in_good_grammar(
         client = redis.Redis.from_url(redis_server.url)
         for key in client.scan_iter(f"{queue}*"):
             client.delete(key)
+
+
+@pytest.mark.parametrize("command", [["leases", "list"],
+                                     ["leases", "destroy", "--state", "active"]])
+def test_a_duration_without_a_unit_is_refused_naming_the_units(
+        store: Store, env: dict[str, str], command: list[str]) -> None:
+    # Before: `--older-than 10` was taken as 10 seconds, though the help asks for a unit.
+    add(store, LeaseState.ACTIVE)
+    for value in ("10", "1.5", " 10 "):
+        refused(leasekeeper(*command, "--older-than", value, env=env), "--older-than",
+                "unit", "90s, 15m, 2h or 1d")
+    assert leasekeeper(*command, "--older-than", "10s", env=env).returncode == 0
+
+
+@pytest.mark.parametrize("args", [
+    ["leases", "list", "--tenant", "\x01bad"],
+    ["leases", "list", "--provider", "no\nop"],
+    ["leases", "destroy", "--state", "active", "--tenant", "\x1b[31m", "--yes"],
+    ["runs", "list", "--thread", "t\x7f"],
+], ids=lambda args: " ".join(a.encode("unicode_escape").decode()[:20] for a in args))
+def test_a_control_character_in_a_filter_is_bad_input(store: Store, env: dict[str, str],
+                                                      args: list[str]) -> None:
+    # Before: accepted (and matched nothing), where the console answers 400.
+    lease_id = add(store, LeaseState.ACTIVE)
+    refused(leasekeeper(*args, env=env), args[-2] if args[-1] != "--yes" else args[-3],
+            "control characters")
+    assert store.get_lease(lease_id).state == LeaseState.ACTIVE
+
+
+def test_destroying_an_abandoned_lease_names_retry_and_forget(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    # Before: "already_ended abandoned", exit 0, and nothing said what to do instead.
+    from tests.stack import own_queue_stack
+
+    with own_queue_stack("abandoned-destroy", redis_server.url, tmp_path) as stack:
+        store = Store(stack.store_url)
+        try:
+            lease_id = add(store, LeaseState.ABANDONED)
+            done = leasekeeper("leases", "destroy", lease_id, env=stack.env)
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert "already_ended" in done.stdout and "abandoned" in done.stdout
+            one_line(done, 0, f"lease {lease_id} is abandoned",
+                     f"`leasekeeper leases retry {lease_id}`",
+                     f"`leasekeeper leases forget {lease_id}`")
+            assert store.get_lease(lease_id).state == LeaseState.ABANDONED
+        finally:
+            store.dispose()

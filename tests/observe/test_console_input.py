@@ -8,6 +8,7 @@ store."""
 from __future__ import annotations
 
 import base64
+import html
 import http.client
 import re
 import secrets
@@ -201,13 +202,15 @@ def test_a_confirmation_is_only_offered_for_what_the_state_allows(console: Conso
     warm, active = console.lease(LeaseState.WARM), console.lease(LeaseState.ACTIVE)
     abandoned, gone = console.lease(LeaseState.ABANDONED), console.lease(LeaseState.DESTROYED)
     with console.client() as c:
-        for lease_id, action, state in [(warm, "forget", "warm"), (active, "retry", "active"),
-                                        (abandoned, "destroy", "abandoned"),
-                                        (gone, "destroy", "destroyed")]:
+        for lease_id, action, state in [(warm, "forget", "a warm"),
+                                        (active, "retry", "an active"),
+                                        (abandoned, "destroy", "an abandoned"),
+                                        (gone, "destroy", "a destroyed")]:
             resp = c.get(f"/leases/{lease_id}/{action}")
             assert resp.status_code == 409, (action, state)
             assert 'id="confirm"' not in resp.text and 'name="csrf"' not in resp.text
-            assert f"{action} does not apply to a {state} lease" in _error(resp)
+            # Before: "a active", "a abandoned"
+            assert f"{action} does not apply to {state} lease" in _error(resp)
             # a forged form is still refused first, by its token
             forged = c.post(f"/leases/{lease_id}/{action}", data={"csrf": "forged"})
             assert forged.status_code == 403
@@ -235,3 +238,15 @@ def test_a_confirmation_is_only_offered_for_what_the_state_allows(console: Conso
         late = c.post(f"/leases/{again}/forget", data={"csrf": token})
         assert late.status_code == 409
         assert "forget does not apply to a destroyed lease" in _error(late)
+
+
+@pytest.mark.usefixtures("no_traceback")
+def test_before_an_unknown_lease_is_a_404_as_the_cli_refuses_it(console: Console) -> None:
+    # Before: 200 with the newest leases, as if ?before were not given (the CLI's
+    # `leases list --before zzz` exits 4).
+    newest = console.lease(LeaseState.ACTIVE)
+    resp = console.get("/leases", params={"before": "zzz"})
+    assert resp.status_code == 404, resp.text[:300]
+    assert newest not in resp.text
+    assert "no lease 'zzz' to list leases before" in html.unescape(_error(resp))
+    assert console.get("/leases", params={"before": newest}).status_code == 200

@@ -103,6 +103,11 @@ def age(moment: datetime | None) -> str:
     return f"{max(seconds, 0)}s"
 
 
+def article(word: str) -> str:
+    """'an' before a vowel (an active, an abandoned lease), else 'a'."""
+    return "an" if word[:1] in "aeiou" else "a"
+
+
 def ts(moment: datetime | None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S") + "Z" if moment else "-"
 
@@ -201,6 +206,10 @@ def build_app(settings: Settings, store: Store, user: str, password: str,
                 check_id("before", before)
             except ValueError as exc:
                 raise BadRequest(str(exc)) from None
+            # else the newest page, as if unfiltered: 404, as the CLI's --before exits 4
+            if await run_in_threadpool(store.find_lease, before) is None:
+                raise NotFound(f"no lease {before[:64]!r} to list leases before; follow "
+                               "the page's next link, or open /leases for the newest")
         page = await run_in_threadpool(observe.lease_page, flt, before, page_size)
         counts = await run_in_threadpool(observe.counts_by_state)
         counts[LeaseState.DESTROYED] = await run_in_threadpool(destroyed_count.get)
@@ -233,7 +242,8 @@ def build_app(settings: Settings, store: Store, user: str, password: str,
         row: Lease = await run_in_threadpool(store.get_lease, lease_id)
         if action not in ACTIONS.get(row.state, ()):
             applies = [state for state, actions in ACTIONS.items() if action in actions]
-            raise Conflict(f"{action} does not apply to a {row.state} lease (only to "
+            raise Conflict(f"{action} does not apply to {article(row.state)} {row.state} "
+                           "lease (only to "
                            f"{', '.join(applies)} leases); open the lease page to see what "
                            "does")
         return row

@@ -34,7 +34,9 @@ def serve(settings: Settings, on_ready: Callable[[str], None] = print) -> None:
         store.dispose()
         raise cannot_listen("the console", "LEASEKEEPER_CONSOLE", settings.console_host,
                             settings.console_port, exc) from None
-    on_ready(f"console: http://{settings.console_host}:{settings.console_port}/ "
+    # the port bound, not the setting: with LEASEKEEPER_CONSOLE_PORT=0 the system picks it
+    host, port = sock.getsockname()[:2]
+    on_ready(f"console: http://{f'[{host}]' if ':' in host else host}:{port}/ "
              f"(basic auth user {user!r}, password from LEASEKEEPER_FLOWER_BASIC_AUTH)")
     try:
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))

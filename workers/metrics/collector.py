@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 from models.observe import UNFINISHED_RUNS, Observe, TailedEvent
 from models.pool_store import MEMBER_STATES, BreakerState, PoolStore
 from models.schema import LeaseState, ProviderErrorClass, ReclaimOutcome, SweepTick, utcnow
+from models.store import TASK_WILL_RETRY
 from providers.errors import LeasekeeperError
 from workers.beat import SWEEPS
 from workers.metrics.tail import IdTail, ReclaimTail
@@ -220,8 +221,10 @@ class LeaseCollector(Collector):
             return reading.result(timeout=max(read_by - time.monotonic(), 0.0))
         except TimeoutError:
             log.warning("metrics: the store did not answer within %g s", STORE_READ_DEADLINE_S)
-        except LeasekeeperError as exc:
-            log.warning("metrics: store unreadable: %s", exc)
+        except LeasekeeperError as exc:  # no task here: the next scrape is the retry
+            log.warning("metrics: store unreadable: %s; this scrape answers "
+                        "leasekeeper_store_up 0, and the next scrape reads it again",
+                        str(exc).removesuffix(TASK_WILL_RETRY))
         return None
 
     def _read(self, reading: Future[list[Metric]]) -> None:
@@ -237,7 +240,13 @@ class LeaseCollector(Collector):
     def _store_gauges(self) -> Iterable[Metric]:
         counts = self.observe.lease_counts()
         top = rank_tenants(counts, self.settings.metrics_tenant_top_n)
-        leases: dict[tuple[str, str, str], int] = {}
+        # Every state of every provider and tenant label exported is a series, 0 when no
+        # lease is in it: a series that vanished with its last lease reads "no data" to
+        # dashboards and alerts, not 0. Bounded: states x providers x (top_n + 1) tenants.
+        providers = set(self.settings.providers) | {provider for _s, provider, _t, _n in counts}
+        leases: dict[tuple[str, str, str], int] = {
+            (state, provider, tenant): 0 for state in LeaseState if state != LeaseState.DESTROYED
+            for provider in providers for tenant in top | {OTHER_TENANT}}
         abandoned = 0
         for state, provider, tenant, n in counts:
             key = (state, provider, tenant if tenant in top else OTHER_TENANT)
