@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import functools
 import importlib.util
 import os
 import signal
@@ -88,6 +89,8 @@ class Supervisor:
 
     logdir: Path
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    # Called (best effort) right before a running child is sent SIGTERM.
+    before_stop: dict[str, Callable[[], None]] = field(default_factory=dict)
 
     def log(self, name: str) -> Path:
         return self.logdir / f"{name}.log"
@@ -151,10 +154,11 @@ class Supervisor:
         self._stop([(n, p) for n, p in chosen if n != "redis"])
         self._stop([(n, p) for n, p in chosen if n == "redis"])
 
-    @staticmethod
-    def _stop(chosen: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
-        for _name, proc in reversed(chosen):
+    def _stop(self, chosen: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+        for name, proc in reversed(chosen):
             if proc.poll() is None:
+                if name in self.before_stop:
+                    self.before_stop[name]()
                 os.killpg(proc.pid, signal.SIGTERM)
         deadline = time.monotonic() + 20
         for _name, proc in chosen:
@@ -164,6 +168,20 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(5)
+
+
+def snapshot_redis(url: str, timeout_s: float = 10.0) -> None:
+    """Ask the embedded Redis to write its snapshot (SAVE) before it is stopped. Best
+    effort: without it the next `up` starts empty, and an error a run reports later whose
+    secret marks are gone is withheld, not stored unsearched (tasks/secret_marks.py)."""
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=1)
+    try:
+        client.save()
+    except redis.RedisError as exc:
+        print(f"note: Redis did not save its data ({str(exc) or type(exc).__name__}; its "
+              "log says why); the next `up` starts without it", file=sys.stderr)
+    finally:
+        client.close()
 
 
 def redis_answers(url: str) -> bool:
@@ -285,16 +303,18 @@ def embedded_backend(settings: Settings, extra_env: dict[str, str],
         else:
             port = free_port()
             # Its data (queued tasks, results, the secret marks) outlives a restart of
-            # `up`: a snapshot in the var dir, written when Redis stops (it stops last) and
-            # hourly. A snapshot, not an append-only file: that would keep every message
-            # ever sent, secrets and all, not just what is still there.
+            # `up`: a snapshot in the var dir, which up asks for when it stops Redis (last,
+            # after the others: snapshot_redis) and Redis loads when it starts. A snapshot,
+            # not an append-only file: that would keep every message ever sent, secrets and
+            # all, not just what is still there. No save points: with them a Redis whose
+            # final save fails (a full disk, the folder gone) refuses to exit on SIGTERM.
             data = var / "redis"
             data.mkdir(mode=0o700, exist_ok=True)
             proc = sup.start("redis", [redis_server_binary(), "--port", str(port), "--bind",
-                                       "127.0.0.1", "--save", "3600", "1",
-                                       "--stop-writes-on-bgsave-error", "no",
-                                       "--dbfilename", "broker.rdb", "--dir", str(data)], env)
+                                       "127.0.0.1", "--save", "", "--dbfilename",
+                                       "broker.rdb", "--dir", str(data)], env)
             broker = f"redis://127.0.0.1:{port}/0"
+            sup.before_stop["redis"] = functools.partial(snapshot_redis, broker)
             sup.wait_ready({"redis": lambda: redis_answers(broker)}, 30,
                            lambda name, took: on_ready(f"{name} {broker}", took))
             del proc
