@@ -62,7 +62,7 @@ from providers.spec import SandboxSpec, check_id, holds_secret, parse_spec
 from tasks import pool_claim, secret_marks
 from tasks.base import LeaseTask
 from tasks.destroy import destroy_lease
-from tasks.leases import expired, handle, later, new_lease_id, sandbox_key
+from tasks.leases import EXPIRED, expired, handle, later, new_lease_id, sandbox_key
 from tasks.redaction import is_secret_field, scrub_text
 from tasks.resume import mark_not_resumable
 from tasks.runs import clean_error
@@ -247,7 +247,7 @@ def _try_reuse(
     if live.state == LeaseState.PROVISIONING:
         raise TransientProviderError(f"sandbox key {key} is still provisioning; retrying")
     ended = expired(live)  # past its ttl: never handed to a run (tasks/leases.py)
-    check = (ResumeResult(ResumeOutcome.NOT_RESUMABLE, "expired: past its absolute deadline")
+    check = (ResumeResult(ResumeOutcome.NOT_RESUMABLE, EXPIRED)
              if ended else provider.resume_check(handle(live), rt.settings.resume_timeout_s))
     if check.outcome == ResumeOutcome.RESUMABLE:
         rt.store.bind_run(run_id, live.lease_id, key, bound_lease)

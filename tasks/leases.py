@@ -37,6 +37,10 @@ def handle(lease: AnyLease | ClaimedLease) -> LeaseHandle:
                        meta=dict(lease.provider_meta or {}))
 
 
+# Why a lease past its absolute deadline is not handed to a run (resume check, reuse, touch).
+EXPIRED = "expired: past its absolute deadline"
+
+
 def expired(lease: AnyLease, now: datetime | None = None) -> bool:
     """Past its absolute deadline (ttl_s): no activity saves it; sweep.expire_leases ends
     it at its next tick, and nothing hands it to a run meanwhile."""

@@ -21,7 +21,13 @@ from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
 
 from providers.errors import BrokerUnavailable, ConfigError, InvalidRequest
-from providers.spec import MIN_SUBSTRING_SECRET_CHARS, REDACTED, SandboxSpec, check_id
+from providers.spec import (
+    MIN_SUBSTRING_SECRET_CHARS,
+    REDACTED,
+    SandboxSpec,
+    check_id,
+    hide_secret_values,
+)
 from tasks.acquire import acquire, parse_acquire
 from tasks.destroy import checked_reason, clean_reason, destroy
 from tasks.reclaim import reclaim
@@ -75,12 +81,8 @@ def _send(task: Task, kwargs: dict[str, Any]) -> AsyncResult:
             if client is not None:
                 client.ping()
         result = task.apply_async(kwargs=kwargs, retry_policy=PUBLISH_RETRY_POLICY)
-    except redis.ResponseError as exc:
-        if not database_missing(exc):
-            raise
-        raise ConfigError(broker_unreachable(task.app.conf.broker_url, exc)) from None
-    except (*_BROKER_ERRORS, RuntimeError) as exc:
-        if database_missing(exc):
+    except (*_BROKER_ERRORS, redis.ResponseError, RuntimeError) as exc:
+        if database_missing(exc):  # a setting to fix, not a broker to wait for
             raise ConfigError(broker_unreachable(task.app.conf.broker_url, exc)) from None
         lost = _broker_error(exc)
         if lost is None:
@@ -191,12 +193,11 @@ def _without_secrets(message: str, spec: SandboxSpec | dict[str, Any] | None) ->
     backend shows it (a 422's body, an error tracker), and the worker's refusal of the
     same spec hides them too. Values too short to search for are replaced where quoted
     whole."""
-    values = (spec.secret_values().values() if isinstance(spec, SandboxSpec)
-              else secret_values(spec))
-    for value in sorted(set(values), key=len, reverse=True):
-        if len(value) >= MIN_SUBSTRING_SECRET_CHARS:
-            message = message.replace(value, REDACTED)
-        elif value:
+    values = set(spec.secret_values().values() if isinstance(spec, SandboxSpec)
+                 else secret_values(spec))
+    message = str(hide_secret_values(message, values))  # those long enough to search for
+    for value in values:
+        if 0 < len(value) < MIN_SUBSTRING_SECRET_CHARS:
             message = message.replace(repr(value), repr(REDACTED))
     return message
 

@@ -19,7 +19,7 @@ from models.schema import LeaseState
 from providers.base import ResumeOutcome, ResumeResult
 from tasks.base import LeaseTask
 from tasks.destroy import destroy
-from tasks.leases import expired, handle, later
+from tasks.leases import EXPIRED, expired, handle, later
 from tasks.runs import exited_run
 from workers.app import app
 from workers.runtime import Runtime
@@ -48,7 +48,7 @@ def check_lease(rt: Runtime, lease_id: str, task_id: str | None) -> ResumeCheck:
         # Past its absolute deadline (ttl): sweep.expire_leases would end it at its next
         # tick; a run told "resumable" now would lose the sandbox under it. Ended here as
         # the sweep ends it (whatever the provider would say).
-        reason = f"expired: past its absolute deadline ({lease.deadline_at:%Y-%m-%dT%H:%M:%S}Z)"
+        reason = f"{EXPIRED} ({lease.deadline_at:%Y-%m-%dT%H:%M:%S}Z)"
         marked = rt.store.transition(
             lease_id, {LeaseState.ACTIVE}, LeaseState.PENDING_CLEANUP, reason, task_id,
             end_reason="expired", next_cleanup_at=later(rt.settings.claim_timeout_s))

@@ -17,7 +17,7 @@ from providers.errors import InvalidRequest
 from providers.spec import check_id
 from tasks import secret_marks
 from tasks.base import LeaseTask
-from tasks.leases import later
+from tasks.leases import EXPIRED, later
 from tasks.reclaim import reclaim
 from tasks.redaction import scrub_text
 from tasks.text import storable
@@ -153,7 +153,7 @@ def touch(rt: Runtime, lease_id: str) -> dict[str, Any]:
                 if lease.idle_deadline_at else None, "reason": None}
     now = rt.store.get_lease(lease_id)
     reason = (f"the lease is {now.state}, not active" if now.state != LeaseState.ACTIVE
-              else "expired: past its absolute deadline; activity does not save it")
+              else f"{EXPIRED}; activity does not save it")
     return {"lease_id": lease_id, "touched": False, "idle_deadline_at": None,
             "reason": reason}
 
