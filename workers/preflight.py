@@ -57,11 +57,9 @@ def check_broker(url: str, timeout_s: float = 2.0) -> None:
         client.ping()
     except redis.AuthenticationError as exc:  # a setting to fix, not a service to wait for
         raise ConfigError(broker_unreachable(url, exc, sending=False)) from None
-    except redis.ResponseError as exc:
+    except redis.RedisError as exc:  # refused, silent, or not Redis
         if database_missing(exc):  # a setting too: no such database there
             raise ConfigError(broker_unreachable(url, exc, sending=False)) from None
-        raise BrokerUnavailable(broker_unreachable(url, exc, sending=False)) from None
-    except redis.RedisError as exc:  # refused, silent, or not Redis
         raise BrokerUnavailable(broker_unreachable(url, exc, sending=False)) from None
     finally:
         client.close()
@@ -184,16 +182,13 @@ def read_only_sqlite(url: str) -> str | None:
     if path is None or not path.parent.is_dir():
         return None
     if not os.access(path.parent, os.W_OK):
-        what, fix = (f"the store's folder {path.parent} is read-only",
-                     "make the folder writable by this user (SQLite creates the store's "
-                     "-wal and -shm files in it)")
-    elif path.exists() and not os.access(path, os.W_OK):
-        what, fix = (f"the SQLite file {path} is read-only",
-                     "make it (and its -wal and -shm files) writable by this user")
-    else:
-        return None
-    return (f"{what} (its permissions, an immutable attribute or a read-only mount): "
-            f"{fix}, or point LEASEKEEPER_STORE_URL at a writable store")
+        return (f"the store's folder {path.parent} is read-only (its permissions, an "
+                "immutable attribute or a read-only mount): make the folder writable by "
+                "this user (SQLite creates the store's -wal and -shm files in it), or point "
+                "LEASEKEEPER_STORE_URL at a writable store")
+    if path.exists() and not os.access(path, os.W_OK):
+        return READ_ONLY_SQLITE.format(path=path)  # the store's own wording of it
+    return None
 
 
 def _in_wal_mode(path: Path) -> bool:
