@@ -76,8 +76,9 @@ def _rowcount(result: Any) -> int:
 
 
 UNFINISHED_RUN_STATUSES = (RunStatus.RUNNING, RunStatus.INTERRUPTED)
-# How an unavailable store's message ends: what a task does about it. A reader that runs
-# no task (the exporter) takes it off and says what it does instead.
+# How an unavailable store's message ends: what a task does about it (its retry_note). A
+# reader that runs no task (the CLI, the console, the exporter) says
+# LeasekeeperError.outside_a_task() instead.
 TASK_WILL_RETRY = "; the task will retry"
 
 
@@ -398,7 +399,7 @@ class Store:
         fix, until = ((READ_ONLY_STORE, "a failover ends") if self.raw.pg else (
             READ_ONLY_SQLITE.format(path=(self.engine.url.database or "").removeprefix(
                 "file:")), "until the file is writable"))
-        return StoreReadOnly(f"{refusal}: {fix}; the task will retry with backoff ({until}), "
+        return StoreReadOnly(f"{refusal}: {fix}", f"; the task will retry with backoff ({until}), "
                              "and fails with this message if it outlasts the retries")
 
     def _unavailable(self, orig: BaseException) -> StoreUnavailable:
@@ -407,7 +408,7 @@ class Store:
                  if "statement timeout" in said else "")
         return StoreUnavailable(
             f"the lease store at {self.engine.url.render_as_string(hide_password=True)}"
-            f" is unavailable ({type(orig).__name__}: {said}){limit}{TASK_WILL_RETRY}")
+            f" is unavailable ({type(orig).__name__}: {said}){limit}", TASK_WILL_RETRY)
 
     def _hot(self) -> _HotConnection:
         """This thread's connection for the plain-SQL path, checked out of the pool once

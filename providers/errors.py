@@ -35,6 +35,11 @@ from typing import Self
 class LeasekeeperError(Exception):
     """Root of every error leasekeeper raises on purpose."""
 
+    def outside_a_task(self) -> str:
+        """The message as a reader that runs no task says it (the CLI, the console, the
+        exporter): without what a task would do about it."""
+        return str(self)
+
 
 class ConfigError(LeasekeeperError):
     """Settings or the provider registry are invalid."""
@@ -71,7 +76,15 @@ class StoreError(LeasekeeperError):
 
 
 class StoreUnavailable(StoreError):
-    """The database is unreachable, restarting or locked; retrying later may succeed."""
+    """The database is unreachable, restarting or locked; retrying later may succeed.
+    ``retry_note`` ends the message: what the task that met it does about it."""
+
+    def __init__(self, message: str, retry_note: str = "") -> None:
+        super().__init__(message + retry_note)
+        self.retry_note = retry_note
+
+    def outside_a_task(self) -> str:
+        return str(self).removesuffix(self.retry_note)
 
 
 # Refused writes. Whether they are retried is decided here, by the class:

@@ -60,7 +60,7 @@ def run_cli(app: Callable[[], Any]) -> None:
     try:
         app()
     except LeasekeeperError as exc:
-        log.error("%s", exc)
+        log.error("%s", exc.outside_a_task())
         sys.exit(exit_code_for(exc))
     except Exception as exc:
         # A case no check foresaw: one line still, the traceback on request.

@@ -113,7 +113,7 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
         try:
             check_store_writable(settings.effective_store_url)
         except LeasekeeperError as exc:  # it reads, so the rest of the report still shows
-            verdict.problems.append(f"store: {exc}")
+            verdict.problems.append(f"store: {exc.outside_a_task()}")
             report["store_writable"] = False
         else:
             report["store_writable"] = True
@@ -139,7 +139,7 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
                     f"{pool['consecutive_failures']} failed in a row (breaker "
                     f"{pool['breaker']}): see `leasekeeper pools` for the last error")
     except LeasekeeperError as exc:
-        verdict.problems.append(f"store: {exc}")
+        verdict.problems.append(f"store: {exc.outside_a_task()}")
     client = _redis(settings)
     try:
         client.ping()
@@ -296,5 +296,5 @@ def _probe(check: Check, settings: Settings, node: str | None, timeout_s: float
                     return (f"beat has not ticked within {limit:g} s (no mark at "
                             f"leasekeeper:{settings.task_queue}:beat)")
     except LeasekeeperError as exc:
-        return str(exc)
+        return exc.outside_a_task()
     return None

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 
 from models.migrate import upgrade
+from models.schema import LeaseState
 from models.store import Store
 from tests.e2e.conftest import cli_env, leasekeeper
 from tests.e2e.test_cli_errors import short_error
+from tests.e2e.test_cli_leases_input import add, one_line
 from tests.services import PostgresServer, RedisServer
 from tests.store.test_store_refuses_writes import admin
 
@@ -68,6 +70,30 @@ def test_a_read_only_postgresql_database(postgres_server: PostgresServer, tmp_pa
     admin(postgres_server, "postgres",
           f"ALTER DATABASE {name} SET default_transaction_read_only = on")
     assert_not_writable(env, "read-only", "point LEASEKEEPER_STORE_URL at the primary")
+
+
+@pytest.mark.postgres
+def test_a_cli_write_refused_by_a_read_only_database_names_the_fix_not_a_task_retry(
+        postgres_server: PostgresServer, tmp_path: Path, redis_server: RedisServer) -> None:
+    # Before: "... read-only ...: point LEASEKEEPER_STORE_URL at the primary; the task will
+    # retry with backoff (a failover ends), and fails with this message if it outlasts the
+    # retries": a CLI command runs no task and retries nothing.
+    name = f"lk_ro_{uuid.uuid4().hex[:8]}"
+    url = postgres_server.create_database(name)
+    upgrade(url)
+    store = Store(url)
+    try:
+        lease_id = add(store, LeaseState.ABANDONED)
+    finally:
+        store.dispose()
+    env = cli_env(LEASEKEEPER_STORE_URL=url, LEASEKEEPER_BROKER_URL=redis_server.url,
+                  LEASEKEEPER_VAR_DIR=str(tmp_path))
+    admin(postgres_server, "postgres",
+          f"ALTER DATABASE {name} SET default_transaction_read_only = on")
+    for command in (("leases", "forget", lease_id), ("leases", "retry", lease_id)):
+        said = one_line(leasekeeper(*command, env=env), 3, "read-only",
+                        "point LEASEKEEPER_STORE_URL at the primary")
+        assert "task will retry" not in said and "the retries" not in said, (command, said)
 
 
 @pytest.fixture

@@ -195,7 +195,8 @@ def build_app(settings: Settings, store: Store, user: str, password: str,
 
     def failed(status: int) -> Callable[[Request, Exception], Any]:
         async def handler(request: Request, exc: Exception) -> Response:
-            return render(request, "error.html", status, message=str(exc))
+            said = exc.outside_a_task() if isinstance(exc, LeasekeeperError) else str(exc)
+            return render(request, "error.html", status, message=said)
         return handler
 
     async def leases(request: Request) -> Response:

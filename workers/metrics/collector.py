@@ -32,7 +32,6 @@ from prometheus_client.registry import Collector
 from models.observe import UNFINISHED_RUNS, Observe, TailedEvent
 from models.pool_store import MEMBER_STATES, BreakerState, PoolStore
 from models.schema import LeaseState, ProviderErrorClass, ReclaimOutcome, SweepTick, utcnow
-from models.store import TASK_WILL_RETRY
 from providers.errors import LeasekeeperError
 from workers.beat import SWEEPS
 from workers.metrics.tail import IdTail, ReclaimTail
@@ -224,7 +223,7 @@ class LeaseCollector(Collector):
         except LeasekeeperError as exc:  # no task here: the next scrape is the retry
             log.warning("metrics: store unreadable: %s; this scrape answers "
                         "leasekeeper_store_up 0, and the next scrape reads it again",
-                        str(exc).removesuffix(TASK_WILL_RETRY))
+                        exc.outside_a_task())
         return None
 
     def _read(self, reading: Future[list[Metric]]) -> None:
