@@ -330,13 +330,18 @@ def _connect_args(url: str) -> dict[str, object]:
     return {"connect_timeout": 5} if url.startswith("postgresql") else {}
 
 
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it: an IPv6 address in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def cannot_listen(what: str, setting: str, host: str, port: int, exc: OSError) -> ConfigError:
     """Why a server (``what``) cannot listen on host:port, naming the setting to change
     (``setting``: the prefix of its _HOST and _PORT variables)."""
     import errno
     import socket
 
-    where = f"{host}:{port}"
+    where = host_port(host, port)
     if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
         fix = f"{setting}_HOST={host!r} is not an address of this machine; set it to one"
     elif exc.errno == errno.EADDRINUSE:

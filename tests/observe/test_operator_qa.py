@@ -49,28 +49,33 @@ def add_lease(store: Store, state: LeaseState, tenant: str = "acme") -> str:
     return lease_id
 
 
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"], ids=["ipv4", "ipv6"])
 @pytest.mark.parametrize("command", ["console", "metrics"])
-def test_port_0_prints_the_port_it_listens_on(command: str, redis_server: RedisServer,
+def test_port_0_prints_the_port_it_listens_on(command: str, host: str,
+                                              redis_server: RedisServer,
                                               tmp_path: Path) -> None:
-    # Before: the console printed "console: http://127.0.0.1:0/" and listened elsewhere.
+    # Before: the console printed "console: http://127.0.0.1:0/" and listened elsewhere;
+    # on ::1 the exporter printed "http://::1:PORT/metrics", a URL nothing can open.
     store_url = f"sqlite:///{tmp_path / 'store.db'}"
     upgrade(store_url)
     password = secrets.token_urlsafe(12)
     env = cli_env(LEASEKEEPER_STORE_URL=store_url, LEASEKEEPER_BROKER_URL=redis_server.url,
                   LEASEKEEPER_VAR_DIR=str(tmp_path), LEASEKEEPER_CONSOLE_PORT="0",
-                  LEASEKEEPER_METRICS_PORT="0",
+                  LEASEKEEPER_METRICS_PORT="0", LEASEKEEPER_CONSOLE_HOST=host,
+                  LEASEKEEPER_METRICS_HOST=host,
                   LEASEKEEPER_FLOWER_BASIC_AUTH=f"ops:{password}")
+    in_url = f"[{host}]" if ":" in host else host
     proc = subprocess.Popen([sys.executable, "-m", "workers.cli", command], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().decode()
-        found = re.match(rf"{command}: http://127\.0\.0\.1:(\d+)/", line)
+        found = re.match(rf"{command}: http://{re.escape(in_url)}:(\d+)/", line)
         assert found, line
         port = int(found.group(1))
         assert port != 0, line
         path = "/leases" if command == "console" else "/metrics"
-        resp = httpx.get(f"http://127.0.0.1:{port}{path}", auth=("ops", password),
+        resp = httpx.get(f"http://{in_url}:{port}{path}", auth=("ops", password),
                          timeout=30)
         assert resp.status_code == 200, resp.text[:300]
     finally:

@@ -12,7 +12,7 @@ import uvicorn
 from providers.errors import ConfigError
 from workers.console.app import build_app
 from workers.console.auth import parse_basic_auth
-from workers.preflight import cannot_listen, store_fit_to_start
+from workers.preflight import cannot_listen, host_port, store_fit_to_start
 from workers.runtime import open_store
 from workers.settings import Settings
 
@@ -36,7 +36,7 @@ def serve(settings: Settings, on_ready: Callable[[str], None] = print) -> None:
                             settings.console_port, exc) from None
     # the port bound, not the setting: with LEASEKEEPER_CONSOLE_PORT=0 the system picks it
     host, port = sock.getsockname()[:2]
-    on_ready(f"console: http://{f'[{host}]' if ':' in host else host}:{port}/ "
+    on_ready(f"console: http://{host_port(host, port)}/ "
              f"(basic auth user {user!r}, password from LEASEKEEPER_FLOWER_BASIC_AUTH)")
     try:
         server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))

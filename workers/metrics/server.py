@@ -19,7 +19,7 @@ from redis import RedisError
 from models.observe import Observe
 from models.store import Store
 from workers.metrics.collector import LeaseCollector, Ping, Pinger
-from workers.preflight import cannot_listen, store_fit_to_start
+from workers.preflight import cannot_listen, host_port, store_fit_to_start
 from workers.queues import Lane, lanes_served
 from workers.runtime import open_store
 from workers.settings import Settings
@@ -93,7 +93,7 @@ def serve(settings: Settings, on_ready: Callable[[str], None] = print) -> None:
         raise cannot_listen("metrics", "LEASEKEEPER_METRICS", settings.metrics_host,
                             settings.metrics_port, exc) from None
     host, port = server.server_address[:2]
-    on_ready(f"metrics: http://{host!s}:{port}/metrics")
+    on_ready(f"metrics: http://{host_port(str(host), port)}/metrics")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     with contextlib.suppress(KeyboardInterrupt):
