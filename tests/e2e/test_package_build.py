@@ -1,0 +1,36 @@
+"""The package builds as `make run` and `make test` build it (pip, an isolated build with
+the newest setuptools the requirement allows) without a deprecation warning: a new user's
+first command printed 50 lines of setuptools' BuildBackendWarning ("`project.license` as a
+TOML table is deprecated ... By 2027-Feb-18 ... your builds will no longer be supported")."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(600)
+
+
+def test_the_package_builds_without_a_deprecation_warning(tmp_path: Path) -> None:
+    # from a copy: a build leaves build/ and *.egg-info where it ran
+    source = tmp_path / "source"
+    shutil.copytree(REPO, source, ignore=shutil.ignore_patterns(
+        ".git", ".venv", ".var", "build", "*.egg-info", "__pycache__", ".mypy_cache",
+        ".ruff_cache"))
+    built = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--wheel-dir", str(tmp_path),
+         str(source)], capture_output=True, text=True, check=False, timeout=540)
+    said = built.stdout + built.stderr
+    assert built.returncode == 0, said[-3000:]
+    for warning in ("deprecated", "Deprecat", "will no longer be supported"):
+        assert warning not in said, said[-3000:]
+    wheel = next(tmp_path.glob("leasekeeper-*.whl"))
+    with zipfile.ZipFile(wheel) as whl:
+        metadata = next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))
+        assert "License-Expression: Apache-2.0" in whl.read(metadata).decode()
