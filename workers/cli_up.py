@@ -28,6 +28,7 @@ import typer
 
 from providers.errors import ConfigError, LeasekeeperError
 from workers.cli_common import command_name
+from workers.flower_auth import GENERATED
 from workers.settings import (
     ENV_PREFIX,
     Settings,
@@ -301,8 +302,12 @@ def _banner(settings: Settings, flower_url: str, flower_auth: str, logdir: Path,
         say(f"note: {note}")
     say(f"leasekeeper is up: broker {client_env['LEASEKEEPER_BROKER_URL']}, store "
         f"{client_env['LEASEKEEPER_STORE_URL']}")
-    say(f"Flower: {flower_url} (basic auth user:password in {creds}, kept for the next "
-        "`up` here; set LEASEKEEPER_FLOWER_BASIC_AUTH to choose them)")
+    if settings.flower_basic_auth is not None:
+        how = f"from LEASEKEEPER_FLOWER_BASIC_AUTH, also in {creds}"
+    else:
+        how = (f"in {creds}; the password is kept in {creds.with_name(GENERATED)} for the "
+               "next `up` here; set LEASEKEEPER_FLOWER_BASIC_AUTH to choose them")
+    say(f"Flower: {flower_url} (basic auth user:password {how})")
     if metrics_url:
         say(f"metrics: {metrics_url}; lease console: {console_url} (the same basic auth)")
     say(f"logs: {logdir}")

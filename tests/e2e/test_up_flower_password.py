@@ -49,5 +49,14 @@ def test_the_generated_flower_password_is_kept_for_the_next_up(tmp_path: Path) -
     assert stat.S_IMODE(kept.stat().st_mode) == 0o600
     password = first.split(":", 1)[1]
     assert len(password) >= 16
+    # What `up` says about them is true of each: before, a set LEASEKEEPER_FLOWER_BASIC_AUTH
+    # was also called "kept for the next `up` here; set LEASEKEEPER_FLOWER_BASIC_AUTH to
+    # choose them", and the next `up` without it made (or took) the generated ones.
+    flower_line = {name: next(line for line in said.splitlines() if "Flower: " in line)
+                   for name, said in (("first", said_first), ("chosen", said_chosen))}
+    assert f"kept in {var.resolve() / GENERATED} for the next `up` here" in flower_line["first"]
+    assert "set LEASEKEEPER_FLOWER_BASIC_AUTH to choose them" in flower_line["first"]
+    assert "from LEASEKEEPER_FLOWER_BASIC_AUTH" in flower_line["chosen"], flower_line
+    assert "kept" not in flower_line["chosen"] and "to choose" not in flower_line["chosen"]
     never_shown(password, var, said_first, said_chosen, said_again)
     never_shown("chosen-by-me", var, said_first, said_chosen, said_again)
