@@ -31,6 +31,7 @@ from providers.spec import MIN_SUBSTRING_SECRET_CHARS
 from tasks import secret_marks
 from tasks.base import LeaseTask
 from tasks.leases import handle, later
+from tasks.operator import operators_own
 from tasks.redaction import scrub_text
 from tasks.text import storable
 from workers.app import app
@@ -147,10 +148,12 @@ def _record_failure(
 def _without_marked_secrets(rt: Runtime, lease_id: str, reason: str) -> str:
     """A caller's reason with the secrets of the lease's run and thread scrubbed, whichever
     process saw them (tasks/secret_marks.py), as run.finish's error is: the reason is
-    stored and shown (events, the lease's end, its runs' error). The default reason, or
-    one too short to hold a secret, costs nothing; BrokerUnavailable (retried) when the
-    marks cannot be read, so a reason is never stored unsearched."""
-    if reason == DEFAULT_REASON or len(reason) < MIN_SUBSTRING_SECRET_CHARS:
+    stored and shown (events, the lease's end, its runs' error). The default reason, an
+    operator's own (tasks/operator.operators_own) or one too short to hold a secret costs
+    nothing; BrokerUnavailable (retried) when the marks cannot be read, so a reason is
+    never stored unsearched."""
+    if (reason == DEFAULT_REASON or len(reason) < MIN_SUBSTRING_SECRET_CHARS
+            or operators_own(reason)):
         return reason
     lease = rt.store.get_lease(lease_id)
     if lease.run_id is None and lease.thread_id is None:

@@ -7,10 +7,26 @@ sends the ordinary ``lease.destroy`` task (live and pending_cleanup leases).
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 
 from models.schema import LeaseState, utcnow
 from models.store import Store
+
+# The reasons leasekeeper writes for an operator's destroy: `leases destroy` without
+# --reason, and the console's (its basic-auth user's name, never a run's secret). They
+# hold no caller text, so a destroy never searches or withholds them (tasks/destroy.py).
+OPERATOR_REASON = "operator"
+_CONSOLE_REASON = re.compile(r"operator [^\s()]{1,128} \(console\)")
+
+
+def console_reason(user: str) -> str:
+    return f"operator {user} (console)"
+
+
+def operators_own(reason: str) -> bool:
+    """``reason`` is one leasekeeper writes for an operator (no run's secret in it)."""
+    return reason == OPERATOR_REASON or _CONSOLE_REASON.fullmatch(reason) is not None
 
 
 class OperatorAction(StrEnum):
@@ -35,7 +51,7 @@ def forget_abandoned(store: Store, lease_id: str, reason: str = "by operator",
         cleanup_attempts=0) is not None
 
 
-def request_destroy(lease_id: str, reason: str = "operator") -> str:
+def request_destroy(lease_id: str, reason: str = OPERATOR_REASON) -> str:
     """Send lease.destroy for the lease; returns the task id."""
     from tasks.producer import destroy_lease
 

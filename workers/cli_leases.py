@@ -15,6 +15,7 @@ import typer
 
 from models.reports import MAX_LIMIT, LeaseFilter, Page, lease_page
 from models.schema import LIVE_STATES, Lease, LeaseEvent, LeaseState, Run, utcnow
+from tasks.operator import OPERATOR_REASON
 from workers.cli_common import (
     ExitCode,
     age,
@@ -191,7 +192,7 @@ def leases_destroy(
     yes: Annotated[bool, typer.Option("--yes", help="Really destroy every lease that "
                                                     "matches (without an id).")] = False,
     reason: Annotated[str, typer.Option(help="Recorded in each lease's history.")] =
-        "operator",
+        OPERATOR_REASON,
     wait_s: Annotated[float, typer.Option("--wait", min=0, help="Seconds to wait for the "
                                                                 "workers' answers.")] = 60.0,
     as_json: JsonOpt = False,

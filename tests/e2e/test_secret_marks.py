@@ -225,3 +225,36 @@ def test_marks_lost_since_the_acquire_withhold_the_text_instead_of_storing_it(
     ended = rt.store.get_lease(second)
     assert ended.end_reason == "withheld: its run's secret marks are lost", ended.end_reason
     assert lease_id != second
+
+
+def test_an_operators_own_reason_is_kept_when_the_marks_are_lost(
+        marks_stack: tuple[WorkerStack, DroppingProxy], redis_server: RedisServer) -> None:
+    # Before: `leasekeeper leases destroy <id>` (reason "operator") and the console's
+    # "operator <user> (console)" on a lease whose marks were lost were recorded as
+    # "withheld: its run's secret marks are lost": the history no longer said who ended
+    # it, though leasekeeper wrote those reasons itself and no run's secret is in them.
+    from tests.e2e.conftest import leasekeeper
+
+    stack, _ = marks_stack
+    rt = stack.runtime()
+    stack.start_worker(concurrency=1)
+    client = redis.Redis.from_url(redis_server.url)
+    prefix = f"leasekeeper:{stack.name}:secret-marks"
+    leases = {}
+    for how in ("cli", "console", "given"):
+        run_id = f"run-{how}-{uuid.uuid4().hex[:8]}"
+        leases[how] = acquire(run_id, thread_id=f"th-{uuid.uuid4().hex[:8]}",
+                              secret_env={"API_TOKEN": SECRET})
+        assert client.delete(*client.keys(f"{prefix}:*")) >= 1
+    done = leasekeeper("leases", "destroy", leases["cli"], env=stack.env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    by_name("lease.destroy", lease_id=leases["console"], reason="operator ops (console)")
+    by_name("lease.destroy", lease_id=leases["given"], reason=f"rotating {SECRET} now")
+    ended = {how: rt.store.get_lease(lease_id) for how, lease_id in leases.items()}
+    assert ended["cli"].end_reason == "operator", ended["cli"].end_reason
+    assert ended["console"].end_reason == "operator ops (console)"
+    # a reason the caller wrote may quote the secret: still withheld
+    assert ended["given"].end_reason == "withheld: its run's secret marks are lost"
+    for how in ("cli", "console"):
+        history = " | ".join(e.reason for e in rt.store.events(leases[how]))
+        assert "withheld" not in history and "operator" in history, (how, history)

@@ -41,7 +41,13 @@ from models.schema import Lease, LeaseState, utcnow
 from models.store import Store
 from providers.errors import LeasekeeperError, NotFound
 from providers.spec import check_id
-from tasks.operator import OperatorAction, forget_abandoned, request_destroy, retry_abandoned
+from tasks.operator import (
+    OperatorAction,
+    console_reason,
+    forget_abandoned,
+    request_destroy,
+    retry_abandoned,
+)
 from workers.beat import SWEEPS
 from workers.cli_common import MAX_DURATION_D
 from workers.console.auth import BasicAuth, Csrf, unauthorized
@@ -263,7 +269,7 @@ def build_app(settings: Settings, store: Store, user: str, password: str,
                 "this form is stale or did not come from the console (CSRF check "
                 "failed); open the lease page and confirm again"))
         await allowed(lease_id, action)
-        actor = f"operator {who(request)} (console)"
+        actor = console_reason(who(request))
         done: dict[str, str]
         if action == OperatorAction.RETRY:  # the transition is guarded: it may lose a race
             ok = await run_in_threadpool(retry_abandoned, store, lease_id, actor)
