@@ -264,12 +264,14 @@ class RawSql:
 
     # -- runs ---------------------------------------------------------------------------
     def insert_run(self, cur: Any, run_id: str, thread_id: str | None, provider: str,
-                   sandbox_key: str, now: datetime) -> tuple[Any, ...] | None:
+                   sandbox_key: str, now: datetime, secret_env_given: bool
+                   ) -> tuple[Any, ...] | None:
         """Insert a new run, with no lease yet, unless it exists; a row (its id) if this
         call inserted it."""
         cur.execute(self.sql(_NEW_RUN), {
             "run_id": run_id, "thread_id": thread_id, "provider": provider,
-            "sandbox_key": sandbox_key, "lease_id": None, "now": self.time(now)})
+            "sandbox_key": sandbox_key, "lease_id": None, "now": self.time(now),
+            "secret_env_given": secret_env_given})
         row: tuple[Any, ...] | None = cur.fetchone()
         return row
 
@@ -280,10 +282,10 @@ class RawSql:
         caller's transaction (one statement on PostgreSQL). ``intent`` has what differs
         between intents (run_id, lease_id, thread_id, provider, sandbox_key,
         provider_lease_id, reuse, tenant, spec, acquire_deadline_at, deadline_at,
-        idle_timeout_s, pool); the rest (a new run's and a new intent's constants, and
-        ``now`` for every time it records) is in the statement. False, and nothing
-        written, if the run already exists; a live lease on the key raises the driver's
-        IntegrityError (the caller rolls back)."""
+        idle_timeout_s, pool, secret_env_given); the rest (a new run's and a new
+        intent's constants, and ``now`` for every time it records) is in the statement.
+        False, and nothing written, if the run already exists; a live lease on the key
+        raises the driver's IntegrityError (the caller rolls back)."""
         params = dict(intent)
         params["spec"] = self.json(intent["spec"])
         params["acquire_deadline_at"] = self.time(intent["acquire_deadline_at"])
@@ -433,13 +435,14 @@ def _pg_transition(sets: str, where: str, final: bool, flips: bool,
     return "WITH " + ", ".join(ctes) + f" SELECT {', '.join(returning)} FROM moved"
 
 
-# A new run (running, nothing requested or due yet) and its lease intent (provisioning,
-# live on its key, no provider meta yet, version 1), both recorded ``now``.
+# A new run (running, nothing requested or due yet; whether its acquire carried
+# secret_env) and its lease intent (provisioning, live on its key, no provider meta yet,
+# version 1), both recorded ``now``.
 _NEW_RUN = (
     "INSERT INTO runs (run_id, thread_id, status, provider, sandbox_key, lease_id, "
-    "started_at, cancel_requested, reclaim_due) VALUES (:run_id, :thread_id, "
-    f"'{RunStatus.RUNNING}', :provider, :sandbox_key, :lease_id, :now, false, false) "
-    "ON CONFLICT (run_id) DO NOTHING RETURNING run_id")
+    "started_at, cancel_requested, reclaim_due, secret_env_given) VALUES (:run_id, "
+    f":thread_id, '{RunStatus.RUNNING}', :provider, :sandbox_key, :lease_id, :now, false, "
+    "false, :secret_env_given) ON CONFLICT (run_id) DO NOTHING RETURNING run_id")
 _INTENT_COLUMNS = (
     "lease_id, sandbox_key, live_key, provider, provider_lease_id, provider_meta, state, "
     "reuse, tenant, thread_id, run_id, spec, created_at, updated_at, acquire_deadline_at, "

@@ -28,6 +28,7 @@ from sqlalchemy import (
     MetaData,
     String,
     Text,
+    false,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -236,6 +237,9 @@ class Run(Base):
     finished_at: Mapped[datetime | None]
     detached_since: Mapped[datetime | None]
     cancel_requested: Mapped[bool] = mapped_column(default=False)
+    # The run's acquire carried secret_env (migration 0013_marks14): its text is withheld
+    # once its secret marks are lost (tasks/secret_marks.py), whatever its lease's spec says.
+    secret_env_given: Mapped[bool] = mapped_column(default=False, server_default=false())
     error: Mapped[str | None] = mapped_column(Text)
     reclaim_due: Mapped[bool] = mapped_column(default=False)
     reclaim_claimed_until: Mapped[datetime | None]

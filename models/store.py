@@ -552,24 +552,41 @@ class Store:
 
     # -- runs --------------------------------------------------------------------------
     def start_run(
-        self, run_id: str, thread_id: str | None, provider: str, sandbox_key: str
+        self, run_id: str, thread_id: str | None, provider: str, sandbox_key: str,
+        secret_env_given: bool = False,
     ) -> Run:
         """Insert the run if it is new; return the stored row either way (idempotent):
         one ``INSERT ... ON CONFLICT DO NOTHING RETURNING`` (plain SQL: every acquire that
-        is not a new run's own sandbox starts here), a read only if the run existed."""
+        is not a new run's own sandbox starts here), a read only if the run existed.
+        ``secret_env_given``: its acquire carried secret_env (tasks/secret_marks.py)."""
         now = utcnow()
         with self.raw_tx() as cur:
-            row = self.raw.insert_run(cur, run_id, thread_id, provider, sandbox_key, now)
+            row = self.raw.insert_run(cur, run_id, thread_id, provider, sandbox_key, now,
+                                      secret_env_given)
         if row is not None:
             return Run(run_id=run_id, thread_id=thread_id, status=RunStatus.RUNNING,
                        provider=provider, sandbox_key=sandbox_key, started_at=now,
                        cancel_requested=False, reclaim_due=False, exit_code=None,
                        lease_id=None, finished_at=None, detached_since=None, error=None,
-                       reclaim_claimed_until=None, reclaim_outcome=None, reclaimed_at=None)
+                       reclaim_claimed_until=None, reclaim_outcome=None, reclaimed_at=None,
+                       secret_env_given=secret_env_given)
         run = self.get_run(run_id)
         if run is None:  # deleted behind the store's back between the two: insert it now
-            return self.start_run(run_id, thread_id, provider, sandbox_key)
+            return self.start_run(run_id, thread_id, provider, sandbox_key, secret_env_given)
         return run
+
+    def secrets_given(self, run_id: str | None, lease_id: str | None) -> bool:
+        """Whether the run, or any run bound to the lease (a shared sandbox's runs), was
+        given secret_env by its acquire: one indexed read, made only when a run's secret
+        marks are found lost (tasks/secret_marks.py)."""
+        bound = [c for c in (_RUNS.c.run_id == run_id if run_id else None,
+                             _RUNS.c.lease_id == lease_id if lease_id else None)
+                 if c is not None]
+        if not bound:
+            return False
+        with self.tx() as s:
+            return s.scalar(select(_RUNS.c.run_id).where(
+                _RUNS.c.secret_env_given.is_(True), or_(*bound)).limit(1)) is not None
 
     def bind_run(self, run_id: str, lease_id: str, sandbox_key: str,
                  bound_lease: str | None = None) -> None:
@@ -723,7 +740,7 @@ class Store:
                   "tenant": new.tenant, "spec": new.spec,
                   "acquire_deadline_at": new.acquire_deadline_at,
                   "deadline_at": new.deadline_at, "idle_timeout_s": new.idle_timeout_s,
-                  "pool": new.pool}
+                  "pool": new.pool, "secret_env_given": bool(new.spec.get("secret_env"))}
         try:
             with self.raw_tx() as cur:
                 return self.raw.start_run_with_intent(

@@ -122,7 +122,7 @@ def acquire_lease(
             fresh = _new_lease(rt, provider, spec, key, run_id)
             if store.start_run_with_intent(run_id, fresh, task_id):
                 return _provision(rt, provider, fresh, run_id, spec, task_id, may_retry)
-    run = store.start_run(run_id, spec.thread_id, provider_name, key)
+    run = store.start_run(run_id, spec.thread_id, provider_name, key, bool(spec.secret_env))
     if run.status != RunStatus.RUNNING:
         raise InvalidRequest(f"run {run_id} is {run.status}; start a new run to get a sandbox")
 

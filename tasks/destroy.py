@@ -159,7 +159,7 @@ def _without_marked_secrets(rt: Runtime, lease_id: str, reason: str) -> str:
     if lease.run_id is None and lease.thread_id is None:
         return reason  # a pool member no run has had: no secret was ever given to it
     marks = secret_marks.load(rt, lease.run_id or "", lease.thread_id)
-    if marks.lost(lease.spec):
+    if secret_marks.lost(rt, marks, lease.spec, lease.run_id, lease_id):
         return "withheld: its run's secret marks are lost"  # fits END_REASON_MAX_CHARS
     return secret_marks.scrub(reason, marks, limit_chars=REASON_MAX_CHARS)
 

@@ -103,7 +103,8 @@ def finish(
         error = clean_error(error)
     elif error:
         marks = secret_marks.load(rt, run_id, run.thread_id if run else None)
-        if lease is not None and marks.lost(lease.spec):
+        if secret_marks.lost(rt, marks, lease.spec if lease is not None else None, run_id,
+                             run.lease_id if run is not None else None):
             error = secret_marks.withheld(error, "error")
         else:
             error = clean_error(error, marks)

@@ -10,8 +10,9 @@ its run and thread and replaces every window of the error text whose digest is a
 (:func:`scrub`). Marks that cannot be read raise ``BrokerUnavailable`` (transient: the
 finish is retried), so an error is never stored unsearched. Each acquire's marks include
 :data:`RECORDED`, so marks that Redis lost since (a Redis without persistence restarted,
-a flush) are told from marks never left: a lease whose spec had ``secret_env`` and whose
-marks are gone gets its text withheld (:func:`withheld`), not stored unsearched.
+a flush) are told from marks never left: a run given ``secret_env`` (its lease's spec
+says so, or its row in the store: :func:`lost`) whose marks are gone gets its text
+withheld (:func:`withheld`), not stored unsearched.
 
 The digest key is ``LEASEKEEPER_SECRET_MARKS_KEY`` when set (every worker of the
 installation must have the same); else one derived from the installation id, which keeps
@@ -113,10 +114,19 @@ class Marks:
         return cls(key, {n: frozenset(by_length[n]) for n in sorted(by_length, reverse=True)},
                    recorded)
 
-    def lost(self, spec: Mapping[str, object] | None) -> bool:
-        """The lease whose (stored, redacted) ``spec`` this is was given secrets, and their
-        marks are gone: a text quoting them cannot be searched."""
-        return bool((spec or {}).get("secret_env")) and not self.recorded
+
+
+def lost(rt: Runtime, marks: Marks, spec: Mapping[str, object] | None, run_id: str | None,
+         lease_id: str | None) -> bool:
+    """Secrets were given, and their ``marks`` are gone: a text quoting them cannot be
+    searched. Given: the lease's (stored, redacted) ``spec`` has secret_env (a shared
+    sandbox's first run's, in its environment), or the store recorded secret_env for the
+    run or any run bound to the lease (``runs.secret_env_given``: a reused lease's later
+    run brings its own, which its spec does not show). Asked of the store only when the
+    marks are gone, so a finish with its marks costs no read."""
+    if marks.recorded:
+        return False
+    return bool((spec or {}).get("secret_env")) or rt.store.secrets_given(run_id, lease_id)
 
 
 def withheld(text: str, what: str) -> str:

@@ -4,12 +4,15 @@ Through real workers on real Redis and SQLite: the worker that ran an acquire is
 and a new one, which never saw the secret, stores a finish quoting it; a later run of the
 thread quotes the first run's secret; the marks cannot be read at finish (the worker's
 Redis connection drops every command on them): the finish is retried, then fails, and the
-error is not stored. Redis never holds a secret in clear.
+error is not stored. Redis never holds a secret in clear. Marks lost since the acquire
+withhold the text of a run that was given secrets: its lease's own, a pool member's claimed
+by it, or a reused lease's whose later run brought secrets of its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import threading
 import uuid
@@ -31,6 +34,7 @@ pytestmark = pytest.mark.timeout(300)
 CORE = uuid.uuid4().hex
 SECRET = f"tok-{CORE}"
 OTHER = f"other-{uuid.uuid4().hex}"
+POOLS = [{"name": "warm", "provider": "noop", "size": 1}]  # its template: no secret_env
 
 
 class DroppingProxy:
@@ -99,7 +103,8 @@ def marks_stack(redis_server: RedisServer, tmp_path: Path
                         broker_url=f"redis://127.0.0.1:{proxy.port}/0",
                         extra_env={"LEASEKEEPER_TASK_QUEUE": name,
                                    "LEASEKEEPER_INSTALLATION_ID": name,
-                                   "LEASEKEEPER_SECRET_MARKS_KEY": uuid.uuid4().hex})
+                                   "LEASEKEEPER_SECRET_MARKS_KEY": uuid.uuid4().hex,
+                                   "LEASEKEEPER_POOLS": json.dumps(POOLS)})
     with sending_to(name):
         try:
             yield stack, proxy
@@ -258,3 +263,64 @@ def test_an_operators_own_reason_is_kept_when_the_marks_are_lost(
     for how in ("cli", "console"):
         history = " | ".join(e.reason for e in rt.store.events(leases[how]))
         assert "withheld" not in history and "operator" in history, (how, history)
+
+
+def lose_marks(stack: WorkerStack, redis_server: RedisServer, run_id: str, thread: str) -> None:
+    """What a Redis without persistence restarted (or a flush) does to the run's marks."""
+    client = redis.Redis.from_url(redis_server.url)
+    prefix = f"leasekeeper:{stack.name}:secret-marks"
+    assert client.delete(f"{prefix}:run:{run_id}", f"{prefix}:thread:{thread}") == 2
+
+
+def finish_quoting_the_secret(stack: WorkerStack, redis_server: RedisServer, worker: Any,
+                              run_id: str) -> None:
+    """By a worker that never saw the secret (the one that ran the acquire is killed)."""
+    all_acked(stack, redis_server)
+    stack.kill_worker(worker)
+    stack.start_worker(concurrency=1)
+    error = f"401 from api: Authorization: Bearer {SECRET} refused"
+    by_name("run.finish", run_id=run_id, status="failed", exit_code=1, error=error)
+    stored = stack.runtime().store.get_run(run_id)
+    assert stored is not None and stored.error is not None
+    assert CORE not in stored.error, stored.error
+    assert stored.error.startswith(f"[error withheld: {len(error)} chars"), stored.error
+
+
+def test_marks_lost_for_a_run_claimed_from_a_warm_pool_withhold_its_error(
+        marks_stack: tuple[WorkerStack, DroppingProxy], redis_server: RedisServer) -> None:
+    # Before: the lost-marks check read the lease's spec only; a claimed member's lease
+    # is the pool's, so a run's own secret_env had to be found there or nowhere.
+    stack, _ = marks_stack
+    rt = stack.runtime()
+    worker = stack.start_worker(concurrency=1)
+    by_name("sweep.fill_pools")
+    eventually(lambda: rt.store.leases(["warm"]), 60,
+               "the pool's member to be warm")
+    thread, run_id = f"th-{uuid.uuid4().hex[:8]}", f"run-g-{uuid.uuid4().hex[:8]}"
+    done = by_name("lease.acquire", run_id=run_id, spec={
+        "pool": "warm", "thread_id": thread, "secret_env": {"API_TOKEN": SECRET}})
+    assert done["result"] == "claimed", done
+    lose_marks(stack, redis_server, run_id, thread)
+    finish_quoting_the_secret(stack, redis_server, worker, run_id)
+
+
+def test_marks_lost_for_a_reused_run_with_secrets_of_its_own_withhold_its_error(
+        marks_stack: tuple[WorkerStack, DroppingProxy], redis_server: RedisServer) -> None:
+    # Before: the thread's lease was made for its first run, which had no secret_env; the
+    # second run's own secret_env (not delivered, but marked) was then stored in clear.
+    stack, _ = marks_stack
+    worker = stack.start_worker(concurrency=1)
+    thread = f"th-{uuid.uuid4().hex[:8]}"
+    first, second = f"run-h-{uuid.uuid4().hex[:8]}", f"run-i-{uuid.uuid4().hex[:8]}"
+    lease_id = acquire(first, thread_id=thread, reuse=True)
+    done = by_name("lease.acquire", run_id=second, spec={
+        "provider": "noop", "thread_id": thread, "reuse": True,
+        "secret_env": {"API_TOKEN": SECRET}})
+    assert done["result"] == "reused" and done["lease_id"] == lease_id, done
+    lose_marks(stack, redis_server, second, thread)
+    finish_quoting_the_secret(stack, redis_server, worker, second)
+
+    # The shared sandbox's destroy reason quoting it: withheld too.
+    by_name("lease.destroy", lease_id=lease_id, reason=f"rotating {SECRET} now")
+    ended = stack.runtime().store.get_lease(lease_id)
+    assert ended.end_reason == "withheld: its run's secret marks are lost", ended.end_reason

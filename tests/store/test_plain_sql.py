@@ -69,6 +69,25 @@ def test_a_new_run_and_its_intent_are_written_together(store: Store) -> None:
         assert getattr(lease, field.name) == getattr(new, field.name), field.name
 
 
+def test_a_run_records_whether_its_acquire_carried_secret_env(store: Store) -> None:
+    # A run's own secret_env is recorded with the run, whichever insert writes it (the
+    # hot path's intent, or the general path's run row), for tasks/secret_marks.lost.
+    with_secrets = new_lease("l1", "k1", "run-1")
+    with_secrets.spec["secret_env"] = {"API_TOKEN": "***"}
+    store.start_run_with_intent("run-1", with_secrets, None)
+    store.start_run_with_intent("run-2", new_lease("l2", "k2", "run-2"), None)
+    assert store.start_run("run-3", "t-1", "local", "k2", True).secret_env_given is True
+    assert store.start_run("run-4", "t-1", "local", "k2").secret_env_given is False
+    assert [store.get_run(r).secret_env_given for r in ("run-1", "run-2", "run-3", "run-4")
+            ] == [True, False, True, False]  # type: ignore[union-attr]
+    assert store.secrets_given("run-1", None) and not store.secrets_given("run-2", "l2")
+    # a shared sandbox's later run that brought secrets of its own counts for its lease
+    store.transition("l2", {LeaseState.PROVISIONING}, LeaseState.ACTIVE, "ready")
+    store.bind_run("run-3", "l2", "k2")
+    assert store.secrets_given(None, "l2") and store.secrets_given("run-2", "l2")
+    assert not store.secrets_given(None, None) and not store.secrets_given("run-4", "nope")
+
+
 def test_an_existing_run_writes_nothing_and_a_taken_key_writes_nothing(store: Store) -> None:
     store.start_run_with_intent("run-1", new_lease("l1", "k1", "run-1"), None)
     # an existing run: nothing written, the caller takes the general path
