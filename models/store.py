@@ -148,7 +148,7 @@ class NewLease:
 WAL_CHECKPOINT_PAGES = 4000
 
 
-def make_engine(url: str, statement_timeout_s: float = 60.0) -> Engine:
+def make_engine(url: str, statement_timeout_s: float = 60.0, pre_ping: bool = False) -> Engine:
     """The store's engine. On PostgreSQL a statement runs at most ``statement_timeout_s``
     (the server's ``statement_timeout``: a statement stuck on a lock, say, is cancelled and
     the task retries) and TCP keepalives find a server whose host went away while a
@@ -187,11 +187,14 @@ def make_engine(url: str, statement_timeout_s: float = 60.0) -> Engine:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
         return engine
-    # No pre-ping (a round trip per transaction): after a database restart, the first
-    # statement on a dead connection fails as StoreUnavailable (retried by the task
-    # policy) and SQLAlchemy invalidates the whole pool, so only that one attempt is lost.
+    # No pre-ping for the workers (a round trip per transaction): after a database
+    # restart, the first statement on a dead connection fails as StoreUnavailable (retried
+    # by the task policy) and SQLAlchemy invalidates the whole pool, so only that one
+    # attempt is lost. A reader that retries nothing (the console, the exporter) pings:
+    # its page or scrape would be that lost attempt.
     timeout_ms = max(round(statement_timeout_s * 1000), 1)
     engine = create_engine(url, pool_size=5, max_overflow=5, pool_recycle=1800,
+                           pool_pre_ping=pre_ping,
                            connect_args=pg_connect_args(url, timeout_ms))
 
     @event.listens_for(engine, "connect")
@@ -324,13 +327,14 @@ class _RawTx:
 
 class Store:
     def __init__(self, url: str, statement_timeout_s: float = 60.0,
-                 prepared_statements: bool = True) -> None:
+                 prepared_statements: bool = True, pre_ping: bool = False) -> None:
         self.url = url
         self.statement_timeout_s = statement_timeout_s
         # PostgreSQL's hot path: prepare its statements (False: a pooler in transaction
         # mode; LEASEKEEPER_STORE_PREPARED_STATEMENTS)
         self.prepared_statements = prepared_statements
-        self.engine = make_engine(url, statement_timeout_s)
+        # pre_ping: each checkout checks its connection first (readers that retry nothing)
+        self.engine = make_engine(url, statement_timeout_s, pre_ping)
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         self._skip_locked = self.engine.dialect.name == "postgresql"
         self.raw = RawSql(self.engine.dialect.name)

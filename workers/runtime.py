@@ -111,10 +111,13 @@ _runtime: Runtime | None = None
 _runtime_pid: int | None = None
 
 
-def open_store(settings: Settings) -> Store:
-    """The store as the settings describe it (worker, exporter, console, CLI)."""
+def open_store(settings: Settings, reader: bool = False) -> Store:
+    """The store as the settings describe it (worker, exporter, console, CLI). ``reader``:
+    a long-running process that retries nothing (the exporter, the console): a pooled
+    connection is checked before use, so the first request after a database restart is
+    answered rather than failed."""
     return Store(settings.effective_store_url, settings.store_statement_timeout_s,
-                 prepared_statements=settings.store_prepared_statements)
+                 prepared_statements=settings.store_prepared_statements, pre_ping=reader)
 
 
 def get_runtime() -> Runtime:

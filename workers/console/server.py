@@ -24,7 +24,7 @@ def serve(settings: Settings, on_ready: Callable[[str], None] = print) -> None:
     user, password = parse_basic_auth(settings.flower_basic_auth.get_secret_value())
     # Its pages need the schema, and retry and forget write (ConfigError, exit 2).
     store_fit_to_start("console", settings.effective_store_url, writes=True)
-    store = open_store(settings)
+    store = open_store(settings, reader=True)
     app = build_app(settings, store, user, password)
     try:
         # bound here, so a port in use is one line naming the setting (uvicorn would log

@@ -84,7 +84,7 @@ def serve(settings: Settings, on_ready: Callable[[str], None] = print) -> None:
     # It only reads (a replica will do), but needs the schema: not at this leasekeeper's
     # migration, every scrape would fail on SQL errors (ConfigError, exit 2).
     store_fit_to_start("metrics", settings.effective_store_url, writes=False)
-    store = open_store(settings)
+    store = open_store(settings, reader=True)
     registry = build_registry(settings, store)
     try:
         server, thread = start_http_server(settings.metrics_port, settings.metrics_host,
