@@ -6,13 +6,17 @@ a spec travel only in the message body; Flower, events and logs see them redacte
 A backend without leasekeeper installed can ``send_task`` the same names with the JSON
 payloads documented in the README. With the broker down, every call raises
 ``BrokerUnavailable`` (transient: retry later) at once, instead of hanging (see ``_send``).
+``task_status`` reads a sent task's state once, for a request handler that polls.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 import redis
@@ -26,18 +30,20 @@ from providers.spec import (
     REDACTED,
     SandboxSpec,
     check_id,
+    echo,
     hide_secret_values,
 )
 from tasks.acquire import acquire, parse_acquire
 from tasks.destroy import checked_reason, clean_reason, destroy
 from tasks.reclaim import reclaim
-from tasks.redaction import secret_values
+from tasks.redaction import scrub_text, secret_values
 from tasks.resume import resume_check
+from tasks.runs import SENT_CUT_NOTE, parse_finish
 from tasks.runs import attach_run as _attach
-from tasks.runs import clean_error, parse_finish
 from tasks.runs import detach_run as _detach
 from tasks.runs import finish_run as _finish
 from tasks.runs import touch_lease as _touch
+from tasks.text import storable
 from workers.pool_settings import resolve_spec
 from workers.settings import (
     OFFERED_PROVIDERS,
@@ -50,11 +56,13 @@ from workers.settings import (
 from workers.up_lock import broker_hint
 
 
-def _id(kind: str, value: object) -> str:
+def _id(task: Task, kind: str, value: object) -> str:
+    """``value`` checked as ``task``'s ``kind`` field, refused in the words the worker
+    refuses it with (tasks/base.py check_payload)."""
     try:
         return check_id(kind, value)
     except ValueError as exc:
-        raise InvalidRequest(str(exc)) from None
+        raise InvalidRequest(f"invalid {task.name} payload: {exc}") from None
 
 
 # A send within this long of the last one that reached the broker skips the PING (a
@@ -112,23 +120,26 @@ def _broker_error(exc: BaseException) -> BaseException | None:
     return None
 
 
-def broker_unreachable(url: str, exc: BaseException, sending: bool = True) -> str:
+def broker_unreachable(url: str, exc: BaseException, sending: bool = True,
+                       setting: str = "LEASEKEEPER_BROKER_URL") -> str:
     """The one-line message for a broker that cannot be reached (no password shown);
-    ``sending``: a send failed, and the message says nothing was sent."""
+    ``sending``: a send failed, and the message says nothing was sent; ``setting``: the
+    one that names ``url`` (the result backend's, when it is set apart)."""
     from kombu.utils.url import maybe_sanitize_url
 
-    where = f"the broker at {maybe_sanitize_url(url)} (LEASEKEEPER_BROKER_URL)"
+    what = "broker" if setting == "LEASEKEEPER_BROKER_URL" else "result backend"
+    where = f"the {what} at {maybe_sanitize_url(url)} ({setting})"
     unsent = "; nothing was sent." if sending else "."
     if database_missing(exc):
         return (f"{where} answers but has no such database (DB index is out of range){unsent} "
-                "Use a database number this Redis has in LEASEKEEPER_BROKER_URL "
+                f"Use a database number this Redis has in {setting} "
                 "(redis://host:6379/0; 0 to 15 unless its `databases` setting says more)")
     refused = auth_failure(exc)
     if refused is not None:
         return f"{where} answers but authentication failed ({refused}){unsent} " + (
-            "Fix the password in LEASEKEEPER_BROKER_URL (redis://:PASSWORD@host:port/db; "
+            f"Fix the password in {setting} (redis://:PASSWORD@host:port/db; "
             "or remove it if this Redis needs none)" if _has_password(url) else
-            "This Redis needs a password: put it in LEASEKEEPER_BROKER_URL "
+            f"This Redis needs a password: put it in {setting} "
             "(redis://:PASSWORD@host:port/db)")
     if isinstance(exc, redis.exceptions.InvalidResponse):  # an HTTP server, say
         return (f"{where} is not Redis: what answers there speaks another protocol "
@@ -158,6 +169,64 @@ def auth_failure(exc: BaseException | None) -> str | None:
             return str(exc).strip(". ")[:120] or "the password was refused"
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return None
+
+
+class TaskState(StrEnum):
+    """A task's state as Celery's result backend has it."""
+
+    PENDING = "PENDING"  # waiting in its queue, or an id no task has (Celery cannot tell)
+    RECEIVED = "RECEIVED"
+    STARTED = "STARTED"
+    RETRY = "RETRY"  # a transient failure: it runs again after a backoff
+    SUCCESS = "SUCCESS"
+    FAILURE = "FAILURE"
+    REVOKED = "REVOKED"
+    REJECTED = "REJECTED"
+    IGNORED = "IGNORED"
+
+
+@dataclass(frozen=True)
+class TaskStatus:
+    """What ``task_status`` read: ``result`` is the task's answer (SUCCESS only),
+    ``error`` the reason it failed (FAILURE) or is retried after (RETRY)."""
+
+    state: TaskState
+    result: Any = None
+    error: str | None = None
+
+
+TASK_ID_MAX_CHARS = 255
+
+
+def task_status(task_id: str) -> TaskStatus:
+    """The state of a task this API sent (the ``id`` of its ``AsyncResult``), read from the
+    result backend once, without waiting: a request handler polls with it. InvalidRequest
+    for what is no task id; BrokerUnavailable (transient) when the result backend's Redis
+    cannot be read, in the wording of a failed send."""
+    if (not isinstance(task_id, str) or not 0 < len(task_id) <= TASK_ID_MAX_CHARS
+            or not task_id.isprintable() or any(c.isspace() for c in task_id)):
+        raise InvalidRequest(f"task_id must be the id of a sent task (1-{TASK_ID_MAX_CHARS} "
+                             f"characters, no spaces); got {echo(task_id)}")
+    found = AsyncResult(task_id, app=acquire.app)
+    try:
+        state, value = found.state, found.result
+    except (*_BROKER_ERRORS, redis.ResponseError, RuntimeError) as exc:
+        settings = get_settings()
+        setting = ("LEASEKEEPER_RESULT_BACKEND_URL" if settings.result_backend_url
+                   else "LEASEKEEPER_BROKER_URL")
+        url = str(acquire.app.conf.result_backend)
+        if database_missing(exc):
+            raise ConfigError(broker_unreachable(url, exc, False, setting)) from None
+        lost = _broker_error(exc)
+        if lost is None:
+            raise
+        raise BrokerUnavailable(broker_unreachable(url, lost, False, setting)) from None
+    known = TaskState(state)  # Celery's states, every one
+    if known == TaskState.SUCCESS:
+        return TaskStatus(known, result=value)
+    if known in (TaskState.FAILURE, TaskState.RETRY) and isinstance(value, BaseException):
+        return TaskStatus(known, error=str(value) or type(value).__name__)
+    return TaskStatus(known)
 
 
 def _has_password(url: str) -> bool:
@@ -220,33 +289,55 @@ def check_provider(name: str, settings: Settings) -> None:
 
 
 def check_resumable(lease_id: str) -> AsyncResult:
-    return _send(resume_check, {"lease_id": _id("lease_id", lease_id)})
+    return _send(resume_check, {"lease_id": _id(resume_check, "lease_id", lease_id)})
 
 
 def destroy_lease(lease_id: str, reason: str | None = "requested") -> AsyncResult:
-    return _send(destroy, {"lease_id": _id("lease_id", lease_id),
+    return _send(destroy, {"lease_id": _id(destroy, "lease_id", lease_id),
                            "reason": clean_reason(checked_reason(reason))})
 
 
 def finish_run(run_id: str, status: str, exit_code: int | None = None,
                error: str | None = None) -> AsyncResult:
     run_id, parsed = parse_finish(run_id, status, exit_code, error)
-    # as the run will record it (bounded: a huge error would fail the payload check)
-    return _send(_finish, {"run_id": run_id, "status": parsed.value,
-                           "exit_code": exit_code, "error": clean_error(error)})
+    kwargs: dict[str, Any] = {"run_id": run_id, "status": parsed.value,
+                              "exit_code": exit_code, "error": None}
+    if error is not None:
+        kwargs["error"] = _sendable(storable(scrub_text(error)), kwargs,
+                                    get_settings().max_payload_bytes)
+    return _send(_finish, kwargs)
+
+
+def _sendable(text: str, kwargs: dict[str, Any], max_bytes: int) -> str:
+    """The error as the finish sends it: whole when the payload fits ``max_bytes`` (as
+    tasks/base.py check_payload measures it: JSON, where a character may take 12 bytes),
+    else as much of it as fits, ending in SENT_CUT_NOTE (the whole length). Never cut to
+    what the run keeps: this process has no secret marks, and the worker's can match
+    only a secret it sees whole (tasks/runs.py clean_error)."""
+    def size(error: str) -> int:
+        return len(json.dumps({**kwargs, "error": error}, default=str).encode())
+
+    if size(text) <= max_bytes:
+        return text
+    note = SENT_CUT_NOTE.format(len(text))
+    fits, over = 0, min(len(text), max_bytes) + 1  # at least a byte a character
+    while over - fits > 1:
+        mid = (fits + over) // 2
+        fits, over = (mid, over) if size(text[:mid] + note) <= max_bytes else (fits, mid)
+    return text[:fits] + note
 
 
 def detach_run(run_id: str) -> AsyncResult:
-    return _send(_detach, {"run_id": _id("run_id", run_id)})
+    return _send(_detach, {"run_id": _id(_detach, "run_id", run_id)})
 
 
 def attach_run(run_id: str) -> AsyncResult:
-    return _send(_attach, {"run_id": _id("run_id", run_id)})
+    return _send(_attach, {"run_id": _id(_attach, "run_id", run_id)})
 
 
 def touch_lease(lease_id: str) -> AsyncResult:
-    return _send(_touch, {"lease_id": _id("lease_id", lease_id)})
+    return _send(_touch, {"lease_id": _id(_touch, "lease_id", lease_id)})
 
 
 def reclaim_run(run_id: str) -> AsyncResult:
-    return _send(reclaim, {"run_id": _id("run_id", run_id)})
+    return _send(reclaim, {"run_id": _id(reclaim, "run_id", run_id)})
