@@ -5,7 +5,8 @@ status shows leases by state and provider, abandoned leases with their reasons, 
 pending_cleanup, runs by status, the warm pools, each sweep's last tick
 (workers/heartbeats.py), workers online, queue lengths, and a verdict. It exits 1 when
 something needs a person: abandoned leases, a warm pool whose circuit breaker stopped its
-creates, a sweep that has not run within three of its intervals, no worker, a service down.
+creates, a sweep that has not run within three of its intervals, no worker, a lane with
+tasks waiting that no worker consumes (workers/cli_lanes.py), a service down.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class Check(StrEnum):
 @dataclass
 class Verdict:
     problems: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # worth knowing; no person needed
 
     @property
     def ok(self) -> bool:
@@ -51,19 +53,6 @@ class Verdict:
 def _redis(settings: Settings) -> redis.Redis[bytes]:
     return redis.Redis.from_url(settings.effective_broker_url, socket_timeout=2,
                                 socket_connect_timeout=2)
-
-
-def workers_online(timeout_s: float, node: str | None = None) -> list[str]:
-    """The workers that answer within ``timeout_s`` and consume this installation's queues
-    (LEASEKEEPER_TASK_QUEUE): one of another installation on the same Redis is not ours."""
-    from workers.app import app
-    from workers.queues import serving
-
-    replies = app.control.broadcast("active_queues", reply=True, timeout=timeout_s,
-                                    destination=[node] if node else None,
-                                    limit=1 if node else None)
-    base = get_settings().task_queue
-    return sorted(name for reply in replies or [] for name in serving(reply, base))
 
 
 def no_worker(node: str | None, queue: str) -> str:
@@ -143,11 +132,12 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
     client = _redis(settings)
     try:
         client.ping()
-        from workers.queues import POLL_ORDER, queue_name
+        from workers.cli_lanes import idle, lane_rows, lanes_online, unserved
 
         queue = settings.task_queue
-        lanes = {queue_name(queue, lane): int(client.llen(queue_name(queue, lane)))
-                 for lane in POLL_ORDER}  # every lane (workers/queues.py), in poll order
+        served = lanes_online(1.0, queue)
+        report["lanes"] = lane_rows(client, queue, served)  # every lane, in poll order
+        lanes = {row["queue"]: row["waiting"] for row in report["lanes"]}
         report["broker"] = {"url_host": settings.effective_broker_url.rsplit("@", 1)[-1],
                             "queue": queue, "queued": sum(lanes.values()), "queues": lanes,
                             "unacked": int(client.hlen("unacked"))}
@@ -162,9 +152,12 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
                 verdict.problems.append(
                     f"{tick['sweep']} has not run within {STALE_INTERVALS} intervals "
                     f"({STALE_INTERVALS * tick['interval_s']:g} s): are the workers busy?")
-        report["workers"] = workers_online(1.0)
-        if not report["workers"]:
+        report["workers"] = sorted(served)
+        if not served:
             verdict.problems.append(no_worker(None, queue))
+        else:  # no worker at all is said once, above, not once more per lane
+            verdict.problems += unserved(report["lanes"])
+            verdict.notes += idle(report["lanes"])
     except redis.RedisError as exc:
         from tasks.producer import broker_unreachable
 
@@ -172,7 +165,8 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
                                 .replace("; nothing was sent.", "."))
     finally:
         client.close()
-    report["verdict"] = {"ok": verdict.ok, "problems": verdict.problems}
+    report["verdict"] = {"ok": verdict.ok, "problems": verdict.problems,
+                         "notes": verdict.notes}
     return report, verdict
 
 
@@ -231,12 +225,19 @@ def _print(report: dict[str, Any]) -> None:
         typer.echo("beat: " + (f"last tick {human_duration(time.time() - beat_at)} ago"
                                if beat_at else "NOT RUNNING"))
         typer.echo(f"workers online: {', '.join(report['workers']) or 'NONE'}")
-        typer.echo("queues: " + ", ".join(f"{name} {n}" for name, n in broker["queues"].items())
-                   + f" waiting; {broker['unacked']} delivered and not yet acknowledged")
+        typer.echo("lanes")
+        typer.echo(_indent(table(["lane", "queue", "waiting", "workers"],
+                                 [[row["lane"], row["queue"], row["waiting"],
+                                   ", ".join(row["workers"]) or "NONE"]
+                                  for row in report["lanes"]])))
+        typer.echo(f"queues: {broker['queued']} waiting in all (lanes above); "
+                   f"{broker['unacked']} delivered and not yet acknowledged")
     verdict = report["verdict"]
     typer.echo("verdict: ok" if verdict["ok"] else "verdict: NEEDS A PERSON")
     for problem in verdict["problems"]:
         typer.echo(f"  - {problem}")
+    for note in verdict["notes"]:
+        typer.echo(f"  note: {note}")
 
 
 def _indent(text: str) -> str:
@@ -260,14 +261,15 @@ def health(
     chosen = [c for c, on in ((Check.BROKER, broker), (Check.STORE, store),
                               (Check.WORKER, worker), (Check.BEAT, beat)) if on] or list(Check)
     failures = [f"{check}: {problem}" for check in chosen
-                if (problem := _probe(check, settings, node, timeout_s)) is not None]
+                for problem in _probe(check, settings, node, timeout_s)]
     for failure in failures:
         typer.echo(f"unhealthy {failure}", err=True)
     raise typer.Exit(ExitCode.NEEDS_ATTENTION if failures else ExitCode.OK)
 
 
 def _probe(check: Check, settings: Settings, node: str | None, timeout_s: float
-           ) -> str | None:
+           ) -> list[str]:
+    """What the check finds wrong (nothing: healthy)."""
     from workers.preflight import check_broker, check_store, check_store_writable
 
     try:
@@ -278,9 +280,7 @@ def _probe(check: Check, settings: Settings, node: str | None, timeout_s: float
                 check_store(settings.effective_store_url)
                 check_store_writable(settings.effective_store_url)
             case Check.WORKER:
-                check_broker(settings.effective_broker_url)
-                if not workers_online(timeout_s, node):
-                    return no_worker(node, settings.task_queue)
+                return _probe_workers(settings, node, timeout_s)
             case Check.BEAT:
                 from workers.beat import beat_max_interval_s
                 from workers.heartbeats import last_beat
@@ -293,8 +293,31 @@ def _probe(check: Check, settings: Settings, node: str | None, timeout_s: float
                     client.close()
                 limit = STALE_INTERVALS * beat_max_interval_s(settings)
                 if at is None or time.time() - at > limit:
-                    return (f"beat has not ticked within {limit:g} s (no mark at "
-                            f"leasekeeper:{settings.task_queue}:beat)")
+                    return [f"beat has not ticked within {limit:g} s (no mark at "
+                            f"leasekeeper:{settings.task_queue}:beat)"]
     except LeasekeeperError as exc:
-        return exc.outside_a_task()
-    return None
+        return [exc.outside_a_task()]
+    return []
+
+
+def _probe_workers(settings: Settings, node: str | None, timeout_s: float) -> list[str]:
+    """A worker of this installation answers and, unless ``node`` names the one to probe
+    (a probe of that worker, not of the deploy), every lane with tasks waiting has one."""
+    from tasks.producer import broker_unreachable
+    from workers.cli_lanes import lane_rows, lanes_online, unserved
+    from workers.preflight import check_broker
+
+    check_broker(settings.effective_broker_url)
+    served = lanes_online(timeout_s, settings.task_queue, node)
+    if not served:
+        return [no_worker(node, settings.task_queue)]
+    if node:
+        return []
+    client = _redis(settings)
+    try:
+        return unserved(lane_rows(client, settings.task_queue, served))
+    except redis.RedisError as exc:
+        return [broker_unreachable(settings.effective_broker_url, exc)
+                .replace("; nothing was sent.", ".")]
+    finally:
+        client.close()

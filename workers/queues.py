@@ -54,16 +54,11 @@ def queue_name(base: str, lane: Lane) -> str:
     return base if lane is Lane.DEFAULT else f"{base}.{lane}"
 
 
-def serving(reply: Mapping[str, Any] | None, base: str) -> list[str]:
-    """The workers in a reply to Celery's ``active_queues`` broadcast (``{hostname: [{"name":
-    queue, ...}, ...]}``) that consume a queue of the installation whose base queue is
-    ``base``: what answers a ping on a shared Redis may serve another installation."""
-    return list(lanes_served(reply, base))
-
-
 def lanes_served(reply: Mapping[str, Any] | None, base: str) -> dict[str, set[Lane]]:
-    """Each worker in an ``active_queues`` reply that consumes a queue of the installation
-    whose base queue is ``base``, with the lanes it consumes (``-Q`` may give it a few)."""
+    """Each worker in a reply to Celery's ``active_queues`` broadcast (``{hostname:
+    [{"name": queue, ...}, ...]}``) that consumes a queue of the installation whose base
+    queue is ``base``, with the lanes it consumes (``-Q`` may give it a few): what answers
+    a ping on a shared Redis may serve another installation."""
     by_queue = {queue_name(base, lane): lane for lane in Lane}
     found: dict[str, set[Lane]] = {}
     for host, queues in (reply or {}).items():
