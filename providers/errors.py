@@ -86,6 +86,12 @@ class StoreUnavailable(StoreError):
     def outside_a_task(self) -> str:
         return str(self).removesuffix(self.retry_note)
 
+    def given_up(self, retries: int) -> StoreUnavailable:
+        """The same error from a task whose retries ran out: it says so, not that it will
+        retry."""
+        return type(self)(self.outside_a_task(), f"; the task gave up after {retries} "
+                                                  "retries (LEASEKEEPER_TASK_MAX_RETRIES)")
+
 
 # Refused writes. Whether they are retried is decided here, by the class:
 # - read-only (PostgreSQL 25006: a failover put us on a replica, or someone set

@@ -29,7 +29,7 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Retry
 
-from providers.errors import InvalidRequest, LeasekeeperError, is_transient
+from providers.errors import InvalidRequest, LeasekeeperError, StoreUnavailable, is_transient
 from providers.spec import check_id, echo
 from tasks.redaction import (
     RedactingRequest,
@@ -151,4 +151,6 @@ class LeaseTask(Task):  # type: ignore[misc]
                 # which Task.retry would otherwise enforce under may_retry's check.
                 raise self.retry(exc=exc, countdown=countdown,
                                  max_retries=self.runtime.settings.task_max_retries) from None
+            if isinstance(exc, StoreUnavailable) and exc.retry_note:
+                raise exc.given_up(self.request.retries) from None
             raise

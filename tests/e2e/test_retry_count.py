@@ -6,11 +6,12 @@ from __future__ import annotations
 import re
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from tasks import producer
-from tests.services import RedisServer
+from tests.services import PostgresServer, RedisServer
 from tests.stack import WorkerStack, own_queue_stack
 
 RETRIES = 7  # over Celery's default max_retries (3), so the setting is what counts
@@ -38,3 +39,54 @@ def test_a_transient_failure_is_retried_as_often_as_the_setting_says(
     log = retry_stack.logfile.read_text(errors="replace")
     retries = re.findall(rf"run\.finish\[{sent.id}\] transient failure, retry (\d+) in", log)
     assert retries == [str(n) for n in range(1, RETRIES + 1)], log[-3000:]
+
+
+@pytest.mark.postgres
+def test_a_task_that_gave_up_on_the_store_says_so_not_that_it_will_retry(
+        redis_server: RedisServer, postgres_server: PostgresServer, tmp_path: Path) -> None:
+    # Before: an acquire whose store stayed down past its retries failed with
+    # "... is unavailable (...); the task will retry", in Flower, the result and the log:
+    # it had stopped retrying.
+    import psycopg
+
+    from models.migrate import upgrade
+    from tests.stack import WorkerStack, sending_to
+
+    name = f"lk_{uuid.uuid4().hex[:12]}"
+    store_url = postgres_server.create_database(name)
+    upgrade(store_url)
+    queue = f"gaveup-{uuid.uuid4().hex[:8]}"
+    stack = WorkerStack(name=queue, store_url=store_url, root=tmp_path,
+                        broker_url=redis_server.url,
+                        extra_env={"LEASEKEEPER_TASK_QUEUE": queue,
+                                   "LEASEKEEPER_TASK_MAX_RETRIES": "2",
+                                   "LEASEKEEPER_RETRY_BACKOFF_BASE_S": "0.05",
+                                   "LEASEKEEPER_RETRY_BACKOFF_MAX_S": "0.1"})
+    admin = f"postgresql://postgres@127.0.0.1:{postgres_server.port}/postgres"
+    with sending_to(queue):
+        try:
+            stack.start_worker()
+            with psycopg.connect(admin, autocommit=True) as conn:
+                conn.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS false')
+                conn.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                             "WHERE datname = %s", (name,))
+            sent = producer.acquire_lease(f"run-{uuid.uuid4().hex[:8]}", {"provider": "noop"})
+            with pytest.raises(Exception) as caught:
+                sent.get(120)
+            said = str(caught.value)
+            assert type(caught.value).__name__ == "StoreUnavailable", said
+            assert "is unavailable" in said and "will retry" not in said, said
+            assert said.endswith("; the task gave up after 2 retries "
+                                 "(LEASEKEEPER_TASK_MAX_RETRIES)"), said
+            from tests.e2e.conftest import eventually
+
+            # the worker logs the failure after it stored the result
+            eventually(lambda: "gave up after 2 retries" in stack.logfile.read_text(
+                errors="replace"), 30, "the worker to log that the task gave up")
+            final = [line for line in stack.logfile.read_text(errors="replace").splitlines()
+                     if "gave up after" in line]
+            assert final and not any("will retry" in line for line in final), final
+        finally:
+            with psycopg.connect(admin, autocommit=True) as conn:
+                conn.execute(f'ALTER DATABASE "{name}" ALLOW_CONNECTIONS true')
+            stack.stop()
