@@ -10,8 +10,9 @@ task events (Flower), ``celery inspect`` answers and log lines. So the worker re
   (``run.finish``'s error) as its length, before the task-received event, the logs or
   ``inspect`` see them;
 - ``RedactingConsumer`` (the worker's consumer) hands Celery a redacted copy of a message
-  whose task name is unknown (or that is invalid or undecodable), so the body and headers
-  Celery logs about it are redacted by field, and the name it echoes is cut short;
+  whose task name is unknown, so the body and headers Celery logs about it are redacted
+  by field, and the name it echoes is cut short; an invalid or undecodable message is
+  refused without its body (tasks/intake.py);
 - ``redact_sent_messages`` (on leasekeeper's app, workers/app.py: in every process)
   builds the reprs of every task message that process sends, by name too
   (``app.send_task``): the task-sent event (Flower shows it until a worker's task-received
@@ -35,10 +36,10 @@ from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 from celery.utils.saferepr import saferepr
-from celery.worker.consumer import Consumer
 from celery.worker.request import Request
 
 from providers.spec import MIN_SUBSTRING_SECRET_CHARS, REDACTED, hide_secret_values
+from tasks.intake import CheckingConsumer
 
 SECRET_FIELDS = frozenset({"secret_env"})  # the field a valid spec carries secrets in
 REPR_MAX_CHARS = 1024  # what Flower, events and logs show of a task's arguments
@@ -344,21 +345,15 @@ def _redacted_message(message: Any) -> Iterator[None]:
         message.body, message.headers = body, headers
 
 
-class RedactingConsumer(Consumer):  # type: ignore[misc]
-    """The worker's consumer: what it reports about a message it cannot run (an unknown
-    task name, an invalid or undecodable message) shows no secret."""
-
-    def on_invalid_task(self, body: Any, message: Any, exc: BaseException) -> None:
-        with _redacted_message(message):
-            super().on_invalid_task(None, message, exc)
+class RedactingConsumer(CheckingConsumer):
+    """The worker's consumer: what it reports about a message it cannot run shows no
+    secret. An invalid or undecodable message is refused without its body (its task
+    fails with an InvalidRequest: tasks/intake.py); Celery's report of one with an unknown
+    task name or of an unknown format shows a redacted copy."""
 
     def on_unknown_message(self, body: Any, message: Any) -> None:
         with _redacted_message(message):
             super().on_unknown_message(None, message)
-
-    def on_decode_error(self, message: Any, exc: BaseException) -> None:
-        with _redacted_message(message):
-            super().on_decode_error(message, exc)
 
     def on_unknown_task(self, body: Any, message: Any, exc: BaseException) -> None:
         with _redacted_message(message):

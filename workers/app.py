@@ -75,8 +75,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_send_sent_event": True,
         "worker_send_task_events": True,
         "worker_hijack_root_logger": False,
-        # What a worker reports about a message with an unknown task name is redacted, and
-        # a broker restart with tasks in flight does not end the worker (workers/consumer.py).
+        # What a worker reports about a message with an unknown task name is redacted, a
+        # malformed message is refused with an InvalidRequest (tasks/intake.py), and a
+        # broker restart with tasks in flight does not end the worker (workers/consumer.py).
         "worker_consumer": "workers.consumer:BrokerRestartConsumer",
         "beat_schedule": beat_schedule(settings),
         # Under the var dir, not whatever directory beat was started in.
