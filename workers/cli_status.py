@@ -143,7 +143,13 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
     client = _redis(settings)
     try:
         client.ping()
+        from workers.preflight import refuses_writes
         from workers.queues import POLL_ORDER, queue_name
+
+        if refuses_writes(client):  # it reads: the rest of the report still shows
+            from tasks.producer import broker_full
+
+            verdict.problems.append(broker_full(settings.effective_broker_url, sending=False))
 
         queue = settings.task_queue
         lanes = {queue_name(queue, lane): int(client.llen(queue_name(queue, lane)))
@@ -168,8 +174,9 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
     except redis.RedisError as exc:
         from tasks.producer import broker_unreachable
 
-        verdict.problems.append(broker_unreachable(settings.effective_broker_url, exc)
-                                .replace("; nothing was sent.", "."))
+        problem = broker_unreachable(settings.effective_broker_url, exc, sending=False)
+        if problem not in verdict.problems:  # a full Redis, already said
+            verdict.problems.append(problem)
     finally:
         client.close()
     report["verdict"] = {"ok": verdict.ok, "problems": verdict.problems}
@@ -230,7 +237,8 @@ def _print(report: dict[str, Any]) -> None:
         beat_at = report["beat"]["last_tick_at"]
         typer.echo("beat: " + (f"last tick {human_duration(time.time() - beat_at)} ago"
                                if beat_at else "NOT RUNNING"))
-        typer.echo(f"workers online: {', '.join(report['workers']) or 'NONE'}")
+        if "workers" in report:  # not asked when Redis failed first (a full one, say)
+            typer.echo(f"workers online: {', '.join(report['workers']) or 'NONE'}")
         typer.echo("queues: " + ", ".join(f"{name} {n}" for name, n in broker["queues"].items())
                    + f" waiting; {broker['unacked']} delivered and not yet acknowledged")
     verdict = report["verdict"]
