@@ -70,8 +70,12 @@ def check_broker(url: str, timeout_s: float = 2.0) -> None:
 def refuses_writes(client: redis.Redis[Any]) -> bool:
     """Redis is full: past its maxmemory, it refuses the writes every task needs (with
     noeviction; another policy evicts keys first). INFO memory, as Redis itself counts
-    it: used memory less what eviction does not count (replication and AOF buffers)."""
-    memory = client.info("memory")
+    it: used memory less what eviction does not count (replication and AOF buffers). A
+    Redis that refuses INFO (renamed on some managed ones) is not called full."""
+    try:
+        memory = client.info("memory")
+    except redis.ResponseError:
+        return False
     limit = int(memory.get("maxmemory", 0))
     counted = int(memory.get("used_memory", 0)) - int(memory.get("mem_not_counted_for_evict", 0))
     return limit > 0 and counted > limit
