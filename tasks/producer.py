@@ -92,7 +92,7 @@ def _send(task: Task, kwargs: dict[str, Any]) -> AsyncResult:
     except (*_BROKER_ERRORS, redis.ResponseError, RuntimeError) as exc:
         if database_missing(exc):  # a setting to fix, not a broker to wait for
             raise ConfigError(broker_unreachable(task.app.conf.broker_url, exc)) from None
-        lost = _broker_error(exc)
+        lost = exc if out_of_memory(exc) else _broker_error(exc)
         if lost is None:
             raise
         _broker_seen_at = float("-inf")
@@ -127,6 +127,8 @@ def broker_unreachable(url: str, exc: BaseException, sending: bool = True,
     one that names ``url`` (the result backend's, when it is set apart)."""
     from kombu.utils.url import maybe_sanitize_url
 
+    if out_of_memory(exc):
+        return broker_full(url, sending)
     what = "broker" if setting == "LEASEKEEPER_BROKER_URL" else "result backend"
     where = f"the {what} at {maybe_sanitize_url(url)} ({setting})"
     unsent = "; nothing was sent." if sending else "."
@@ -147,6 +149,35 @@ def broker_unreachable(url: str, exc: BaseException, sending: bool = True,
     reason = str(exc).split(". ")[-1].strip(". ") or type(exc).__name__
     return (f"{where} is unreachable ({reason}){unsent} Start Redis there or fix the URL, "
             f"then retry.{broker_hint(os.environ, env_file_path())}")
+
+
+def broker_full(url: str, sending: bool = True, then: str = "then retry") -> str:
+    """The one-line message for a broker's Redis that is up but full (maxmemory reached
+    under noeviction: it answers reads and refuses writes); no password shown."""
+    from kombu.utils.url import maybe_sanitize_url
+
+    unsent = "; nothing was sent: " if sending else ": "
+    return (f"the broker's Redis at {maybe_sanitize_url(url)} is out of memory (used memory "
+            f"> maxmemory){unsent}raise its maxmemory or free memory (leasekeeper needs "
+            f"maxmemory-policy noeviction), {then}")
+
+
+# redis-py's error for a write a full Redis refuses (a ResponseError); redis-stubs lacks it.
+OutOfMemoryError: type[redis.ResponseError] = (
+    redis.exceptions.OutOfMemoryError)  # type: ignore[attr-defined]
+
+
+def out_of_memory(exc: BaseException | None) -> bool:
+    """Redis refused a write for want of memory ("OOM command not allowed when used
+    memory > 'maxmemory'"): redis-py's OutOfMemoryError, which kombu may wrap (its
+    OperationalError keeps the text); the chain is walked."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if (isinstance(exc, OutOfMemoryError)
+                or "used memory > 'maxmemory'" in str(exc)):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def database_missing(exc: BaseException | None) -> bool:

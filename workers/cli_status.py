@@ -133,6 +133,12 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
     try:
         client.ping()
         from workers.cli_lanes import idle, lane_rows, lanes_online, unserved
+        from workers.preflight import refuses_writes
+
+        if refuses_writes(client):  # it reads: the rest of the report still shows
+            from tasks.producer import broker_full
+
+            verdict.problems.append(broker_full(settings.effective_broker_url, sending=False))
 
         queue = settings.task_queue
         served = lanes_online(1.0, queue)
@@ -161,8 +167,9 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
     except redis.RedisError as exc:
         from tasks.producer import broker_unreachable
 
-        verdict.problems.append(broker_unreachable(settings.effective_broker_url, exc)
-                                .replace("; nothing was sent.", "."))
+        problem = broker_unreachable(settings.effective_broker_url, exc, sending=False)
+        if problem not in verdict.problems:  # a full Redis, already said
+            verdict.problems.append(problem)
     finally:
         client.close()
     report["verdict"] = {"ok": verdict.ok, "problems": verdict.problems,
@@ -224,12 +231,14 @@ def _print(report: dict[str, Any]) -> None:
         beat_at = report["beat"]["last_tick_at"]
         typer.echo("beat: " + (f"last tick {human_duration(time.time() - beat_at)} ago"
                                if beat_at else "NOT RUNNING"))
-        typer.echo(f"workers online: {', '.join(report['workers']) or 'NONE'}")
-        typer.echo("lanes")
-        typer.echo(_indent(table(["lane", "queue", "waiting", "workers"],
-                                 [[row["lane"], row["queue"], row["waiting"],
-                                   ", ".join(row["workers"]) or "NONE"]
-                                  for row in report["lanes"]])))
+        if "workers" in report:  # not asked when Redis failed first (a full one, say)
+            typer.echo(f"workers online: {', '.join(report['workers']) or 'NONE'}")
+        if "lanes" in report:
+            typer.echo("lanes")
+            typer.echo(_indent(table(["lane", "queue", "waiting", "workers"],
+                                     [[row["lane"], row["queue"], row["waiting"],
+                                       ", ".join(row["workers"]) or "NONE"]
+                                      for row in report["lanes"]])))
         typer.echo(f"queues: {broker['queued']} waiting in all (lanes above); "
                    f"{broker['unacked']} delivered and not yet acknowledged")
     verdict = report["verdict"]

@@ -2,7 +2,7 @@
 naming the setting, the address and the fix, never a traceback or a silent hang.
 
     check_broker(url)   Redis answers a PING within a second or two (not something
-                        else, an HTTP server, say)                   -> BrokerUnavailable
+                        else, an HTTP server, say) and is not full   -> BrokerUnavailable
                         and takes the URL's password                 -> ConfigError
     check_store(url)    the driver is installed, the SQLite folder and file exist (and
                         can be opened: not a read-only folder), the
@@ -49,12 +49,14 @@ class NewerStore(ConfigError):
 
 
 def check_broker(url: str, timeout_s: float = 2.0) -> None:
-    from tasks.producer import broker_unreachable, database_missing
+    from tasks.producer import broker_full, broker_unreachable, database_missing
 
     client = redis.Redis.from_url(url, socket_timeout=timeout_s,
                                   socket_connect_timeout=timeout_s)
     try:
         client.ping()
+        if refuses_writes(client):
+            raise BrokerUnavailable(broker_full(url, sending=False))
     except redis.AuthenticationError as exc:  # a setting to fix, not a service to wait for
         raise ConfigError(broker_unreachable(url, exc, sending=False)) from None
     except redis.RedisError as exc:  # refused, silent, or not Redis
@@ -63,6 +65,20 @@ def check_broker(url: str, timeout_s: float = 2.0) -> None:
         raise BrokerUnavailable(broker_unreachable(url, exc, sending=False)) from None
     finally:
         client.close()
+
+
+def refuses_writes(client: redis.Redis[Any]) -> bool:
+    """Redis is full: past its maxmemory, it refuses the writes every task needs (with
+    noeviction; another policy evicts keys first). INFO memory, as Redis itself counts
+    it: used memory less what eviction does not count (replication and AOF buffers). A
+    Redis that refuses INFO (renamed on some managed ones) is not called full."""
+    try:
+        memory = client.info("memory")
+    except redis.ResponseError:
+        return False
+    limit = int(memory.get("maxmemory", 0))
+    counted = int(memory.get("used_memory", 0)) - int(memory.get("mem_not_counted_for_evict", 0))
+    return limit > 0 and counted > limit
 
 
 def refuse_a_broker_that_refuses_us(process: str) -> None:
