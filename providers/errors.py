@@ -212,10 +212,14 @@ class AcquireCleanupIncomplete(ProviderError):
 def provider_bug(provider: str, call: str, name: str, exc: Exception
                  ) -> TerminalProviderError:
     """What a provider raised that is not a ProviderError (a bug, or a reply it could not
-    read), as the terminal error the lifecycle records; ``exc`` is its cause."""
+    read), as the terminal error the lifecycle records; ``exc`` is its cause. An
+    InvalidRequest is the provider's own check of its input refusing it: no bug, and not
+    called one."""
+    why = ("" if isinstance(exc, InvalidRequest)
+           else " (a provider bug, or a malformed reply)")
     wrapped = TerminalProviderError(
         f"provider {provider} {call} of {name} raised {type(exc).__name__}: "
-        f"{str(exc)[:300]} (a provider bug, or a malformed reply)")
+        f"{str(exc)[:300]}{why}")
     wrapped.__cause__ = exc
     return wrapped
 

@@ -8,7 +8,8 @@ the first matching rule and consumes one of its ``times``::
      "claim": [{"fault": "kill_worker", "when": "after", "times": 1}]}
 
 ``fault`` is ``transient`` | ``terminal`` | ``conflict`` | ``value_error`` (not a
-ProviderError: a provider bug, or a malformed API reply) | ``kill_worker`` (SIGKILL the
+ProviderError: a provider bug, or a malformed API reply) | ``invalid_request`` (the
+provider's own check of its input refusing it) | ``kill_worker`` (SIGKILL the
 calling process, as a crash would) | ``slow`` (the call takes ``seconds`` longer, as a slow
 API server's would, then goes on); ``when`` is ``before`` (nothing done) or ``after``
 (the real call happened, then the fault: for acquire, "the workload exists but the next
@@ -38,7 +39,12 @@ from providers.base import (
     ManagedResource,
     ResumeResult,
 )
-from providers.errors import ProviderConflict, TerminalProviderError, TransientProviderError
+from providers.errors import (
+    InvalidRequest,
+    ProviderConflict,
+    TerminalProviderError,
+    TransientProviderError,
+)
 from providers.local import LocalProvider
 from providers.spec import SandboxSpec
 
@@ -93,6 +99,8 @@ class FaultyProvider:
             raise ProviderConflict(message)
         if fault == "value_error":
             raise ValueError(f"{message}: malformed provider reply")
+        if fault == "invalid_request":
+            raise InvalidRequest(f"{message}: refused input")
         if fault == "kill_worker":
             os.kill(os.getpid(), signal.SIGKILL)
         if fault == "slow":

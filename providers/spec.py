@@ -32,6 +32,8 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?"
                        r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
 RESERVED_LABEL_PREFIX = "leasekeeper.dev/"  # the labels that say which lease owns what
+# Set on every Kubernetes object leasekeeper makes (=leasekeeper); a spec's would be lost
+MANAGED_BY_LABEL = "app.kubernetes.io/managed-by"
 # Variables leasekeeper sets in every sandbox (the providers': local's workspace marker,
 # the lease id, Kubernetes' bootstrap token for a pool's deliveries)
 RESERVED_ENV = frozenset({"LEASEKEEPER_LEASE_ID", "LEASEKEEPER_WORKSPACE",
@@ -282,6 +284,10 @@ class SandboxSpec(BaseModel):
                 raise ValueError(
                     f"label {echo(key)}: the {RESERVED_LABEL_PREFIX} prefix is leasekeeper's "
                     "own (its labels say which lease owns a resource); use another prefix")
+            if key == MANAGED_BY_LABEL:
+                raise ValueError(
+                    f"label {echo(key)}: leasekeeper sets it on everything it makes "
+                    "(=leasekeeper); use another label key")
         return value
 
     def total_chars(self) -> int:

@@ -25,6 +25,7 @@ from celery.result import AsyncResult
 from kombu.exceptions import OperationalError
 
 from providers.errors import BrokerUnavailable, ConfigError, InvalidRequest
+from providers.kubernetes.manifests import backend_refusal
 from providers.spec import (
     MIN_SUBSTRING_SECRET_CHARS,
     REDACTED,
@@ -282,6 +283,7 @@ def acquire_lease(run_id: str, spec: SandboxSpec | Mapping[str, Any] | None = No
             resolve_spec(settings.pools, parsed)
         if parsed.provider is not None:
             check_provider(parsed.provider, settings)
+        check_backend(parsed, settings)
     except InvalidRequest as exc:
         raise InvalidRequest(_without_secrets(str(exc), raw)) from None
     return _send(acquire, {"run_id": run_id, "spec": parsed.to_payload()})
@@ -317,6 +319,19 @@ def check_provider(name: str, settings: Settings) -> None:
             f"unknown provider {name!r}: leasekeeper has the providers "
             f"{OFFERED_PROVIDERS}; name one the workers enable "
             "(their LEASEKEEPER_PROVIDERS)")
+
+
+def check_backend(spec: SandboxSpec, settings: Settings) -> None:
+    """Refuse, in the worker's words (its provider's check_spec), a backend the Kubernetes
+    provider does not have when this process knows the spec goes to it: named in the spec,
+    or this process's own LEASEKEEPER_PROVIDER when it sets one. A pool's template decides
+    the backend: left to the worker."""
+    provider = spec.provider or (settings.provider if "provider" in settings.model_fields_set
+                                 else None)
+    if provider == "kubernetes" and spec.pool is None:
+        problem = backend_refusal(spec.backend)
+        if problem:
+            raise InvalidRequest(problem)
 
 
 def check_resumable(lease_id: str) -> AsyncResult:

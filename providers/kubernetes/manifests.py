@@ -26,7 +26,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from providers.base import RUN_DIR_ENV
-from providers.spec import SandboxSpec
+from providers.spec import MANAGED_BY_LABEL, QUANTITY, SandboxSpec, echo, quantity_value
 
 if TYPE_CHECKING:
     from workers.settings import Settings
@@ -46,7 +46,7 @@ LABEL_WORKLOAD = "leasekeeper.dev/workload"
 LABEL_BACKEND = "leasekeeper.dev/backend"
 LABEL_ROLE = "leasekeeper.dev/role"
 LABEL_POOL = "leasekeeper.dev/pool"
-LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_MANAGED_BY = MANAGED_BY_LABEL
 MANAGED_BY = "leasekeeper"
 ROLE_SANDBOX = "sandbox"
 ANNOTATION_LEASE_ID = "leasekeeper.dev/lease-id"
@@ -84,6 +84,16 @@ DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 class Backend(StrEnum):
     SANDBOX_CR = "sandbox-cr"
     JOB = "job"
+
+
+def backend_refusal(raw: str | None) -> str | None:
+    """Why ``raw`` (a spec's backend) is no backend of the Kubernetes provider, or None if
+    it is one (or unset: LEASEKEEPER_KUBE_BACKEND's). One wording for the worker's check of
+    a spec and the producer's."""
+    if raw is None or raw in tuple(Backend):
+        return None
+    return (f"kubernetes: unknown backend {echo(raw)}; use 'sandbox-cr' or 'job' (or leave "
+            "backend unset for LEASEKEEPER_KUBE_BACKEND's)")
 
 
 def _digest(raw: str) -> str:
@@ -243,6 +253,41 @@ def build_metadata(identity: LeaseIdentity, backend: Backend, namespace: str, na
         "annotations": build_annotations(identity),
         **extra,
     }
+
+
+def resources_refusal(spec: SandboxSpec, defaults: WorkloadDefaults) -> str | None:
+    """Why the pod's requests and limits, as the manifest will carry them (the spec's, else
+    the settings' defaults), are ones Kubernetes refuses (a request over its limit), or
+    None. A spec's request and limit both given are compared by the spec's own validation;
+    a default that is no quantity is left to the API server to name."""
+    res = spec.resources
+    for kind in ("cpu", "memory"):
+        mine_request = res and getattr(res, f"{kind}_request")
+        mine_limit = res and getattr(res, f"{kind}_limit")
+        if mine_request and mine_limit:
+            continue
+        request = mine_request or getattr(defaults, f"{kind}_request")
+        limit = mine_limit or getattr(defaults, f"{kind}_limit")
+        if not (QUANTITY.fullmatch(request) and QUANTITY.fullmatch(limit)):
+            continue
+        if quantity_value(request) <= quantity_value(limit):
+            continue
+        setting = f"LEASEKEEPER_KUBE_{kind.upper()}"
+        if mine_request:
+            return (f"kubernetes: resources.{kind}_request {request} is more than the default "
+                    f"{kind} limit {limit} ({setting}_LIMIT; the spec sets no {kind}_limit), "
+                    f"and Kubernetes refuses such a pod: ask for at most {limit}, or set "
+                    f"resources.{kind}_limit too")
+        if mine_limit:
+            return (f"kubernetes: resources.{kind}_limit {limit} is less than the default "
+                    f"{kind} request {request} ({setting}_REQUEST; the spec sets no "
+                    f"{kind}_request), and Kubernetes refuses such a pod: set "
+                    f"resources.{kind}_request too, at most {limit}")
+        return (f"kubernetes: the default {kind} request {request} ({setting}_REQUEST) is "
+                f"more than the default {kind} limit {limit} ({setting}_LIMIT), and Kubernetes "
+                f"refuses such a pod: fix the settings, or set resources.{kind}_request and "
+                f"{kind}_limit in the spec")
+    return None
 
 
 def build_container(identity: LeaseIdentity, spec: SandboxSpec, defaults: WorkloadDefaults,

@@ -34,6 +34,7 @@ client.py (which translates every error); this module only decides.
 from __future__ import annotations
 
 import contextlib
+import logging
 import secrets
 import time
 from collections.abc import Callable
@@ -92,12 +93,14 @@ from providers.kubernetes.manifests import (
     LeaseIdentity,
     OwnerRef,
     WorkloadDefaults,
+    backend_refusal,
     build_job,
     build_sandbox,
     build_secret,
     installation_selector,
     is_label_key,
     label_value,
+    resources_refusal,
     secret_name,
     workload_api_version,
     workload_kind,
@@ -128,11 +131,12 @@ from providers.kubernetes.status import (
     uid_of,
 )
 from providers.kubernetes.waits import WaitOutcome, WaitResult, wait_for
-from providers.spec import SandboxSpec
+from providers.spec import SandboxSpec, echo
 
 if TYPE_CHECKING:
     from workers.settings import Settings
 
+log = logging.getLogger("leasekeeper.kubernetes")
 RUN_ID_KEYS = (LABEL_RUN_ID, "run_id", "run-id")
 _RESERVED_PREFIXES = ("leasekeeper.dev/", LABEL_MANAGED_BY)
 
@@ -205,14 +209,18 @@ class KubernetesProvider:
         return _lease_name(lease_id)
 
     def check_spec(self, spec: SandboxSpec) -> None:
-        return None  # the image's command is only known to the cluster
+        """A backend this provider has, and requests within the limits the manifest will
+        carry (the spec's, else the settings'); the image's command is only known to the
+        cluster."""
+        problem = backend_refusal(spec.backend) or resources_refusal(spec, self.defaults)
+        if problem:
+            raise TerminalProviderError(problem)
 
     def _backend(self, raw: str | None) -> Backend:
         try:
             return Backend(raw or self.default_backend)
-        except ValueError:
-            raise InvalidRequest(
-                f"kubernetes: unknown backend {raw!r}; use 'sandbox-cr' or 'job'") from None
+        except ValueError:  # check_spec refuses it first; a lease row's, or a direct call's
+            raise TerminalProviderError(backend_refusal(raw) or repr(raw)) from None
 
     def _api_for(self, handle_meta: Meta) -> KubeApi:
         namespace = str(handle_meta.get("namespace") or self.api.namespace)
@@ -722,7 +730,15 @@ class KubernetesProvider:
         precondition), else by what its labels say (this installation's, workload
         ``handle.name``: names are derived from lease ids, so that is this lease's),
         and then by the uid just read. Anyone else's object, never."""
-        backend = self._backend(handle.backend or handle.meta.get("backend"))
+        raw = handle.backend or handle.meta.get("backend")
+        backend = self._backend_or_none(str(raw)) if raw else self.default_backend
+        if backend is None:
+            # acquire refuses such a backend before it creates anything (_backend), and
+            # every object this code makes is of a backend it has: nothing to delete.
+            log.warning("kubernetes: destroy of %s: backend %s is none this provider has, so "
+                        "nothing of it was ever created; already gone", handle.name,
+                        echo(str(raw)))
+            return DestroyOutcome.ALREADY_GONE
         api = self._api_for(handle.meta)
         name = handle.name
         failures: list[PartFailure] = []

@@ -99,6 +99,22 @@ def test_a_provider_bug_in_acquire_cleans_up_and_fails_the_run(
     assert run.status == RunStatus.FAILED and "ValueError" in (run.error or "")
 
 
+def test_a_providers_refusal_of_its_input_is_not_called_a_provider_bug(
+    rt: Runtime, faults: FaultPlan
+) -> None:
+    # An InvalidRequest from the provider is its own input check: terminal, cleaned up,
+    # named as raised, never as "a provider bug, or a malformed reply".
+    faults.write({"acquire": [{"fault": "invalid_request", "when": "after", "times": 1}]})
+    with pytest.raises(TerminalProviderError) as refused:
+        acquire_lease(rt, "run-1", SandboxSpec(provider="faulty"), None, may_retry=True)
+    assert "raised InvalidRequest: injected invalid_request fault" in str(refused.value)
+    assert "provider bug" not in str(refused.value)
+    (lease,) = rt.store.leases()
+    assert lease.state == LeaseState.DESTROYED and lease.end_reason == "acquire_failed"
+    assert rt.provider("faulty").list_managed() == []
+    assert "provider bug" not in (rt.store.get_run("run-1").error or "")
+
+
 def test_transient_failure_out_of_retries_cleans_up(rt: Runtime, faults: FaultPlan) -> None:
     faults.write({"acquire": [{"fault": "transient", "when": "after", "times": 1}]})
     with pytest.raises(TransientProviderError):
