@@ -28,6 +28,7 @@ policy in tasks/base.py (``LeaseTask.retrying``).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Self
 
@@ -71,6 +72,17 @@ class RunNotRecorded(NotFound):
     Transient: the retry lands once the acquire has written the run."""
 
 
+# How a transient provider error's message says what its task does about it. A task whose
+# retries ran out says it gave up instead (``ProviderError.given_up``); a destroy never
+# retries a provider failure (sweep.retry_cleanup does), so its parts leave it out.
+TASK_RETRIES = "; the task retries with backoff"
+
+
+def gave_up(retries: int) -> str:
+    """How a task's error ends once its retries ran out (StoreUnavailable's too)."""
+    return f"; the task gave up after {retries} retries (LEASEKEEPER_TASK_MAX_RETRIES)"
+
+
 class StoreError(LeasekeeperError):
     """The lease store failed."""
 
@@ -89,8 +101,7 @@ class StoreUnavailable(StoreError):
     def given_up(self, retries: int) -> StoreUnavailable:
         """The same error from a task whose retries ran out: it says so, not that it will
         retry."""
-        return type(self)(self.outside_a_task(), f"; the task gave up after {retries} "
-                                                  "retries (LEASEKEEPER_TASK_MAX_RETRIES)")
+        return type(self)(self.outside_a_task(), gave_up(retries))
 
 
 # Refused writes. Whether they are retried is decided here, by the class:
@@ -147,6 +158,20 @@ class ProviderError(LeasekeeperError):
         self.status = status
         return self
 
+    def without_retry_note(self) -> str:
+        """The message without the promise that the task retries."""
+        return str(self).replace(TASK_RETRIES, "")
+
+    def given_up(self, retries: int) -> Self:
+        """The same error from a task whose retries ran out: it says so, not that it will
+        retry (its class and status kept)."""
+        text = str(self)
+        if TASK_RETRIES not in text:
+            return self
+        final = copy.copy(self)
+        final.args = (text.replace(TASK_RETRIES, gave_up(retries)), *self.args[1:])
+        return final
+
 
 class TransientProviderError(ProviderError):
     """The provider failed in a way that a later retry may fix."""
@@ -168,7 +193,8 @@ class PartFailure:
     error: ProviderError
 
     def describe(self) -> str:
-        return f"{self.part}: {self.error}"
+        """What failed; a destroy never retries it itself (sweep.retry_cleanup does)."""
+        return f"{self.part}: {self.error.without_retry_note()}"
 
 
 class DestroyIncomplete(ProviderError):
@@ -204,7 +230,7 @@ class AcquireCleanupIncomplete(ProviderError):
     def of(cls, lease_id: str, cause: BaseException, cleanup: BaseException) -> Self:
         return cls(
             f"acquisition of lease {lease_id} failed and cleanup was incomplete: "
-            f"acquire: {cause}; cleanup: {cleanup}. The lease is pending_cleanup and "
+            f"acquire: {cause}; cleanup: {cause_of(cleanup)}. The lease is pending_cleanup and "
             "sweep.retry_cleanup will destroy what is left"
         )
 

@@ -29,7 +29,13 @@ from typing import Any
 from celery import Task
 from celery.exceptions import Retry
 
-from providers.errors import InvalidRequest, LeasekeeperError, StoreUnavailable, is_transient
+from providers.errors import (
+    InvalidRequest,
+    LeasekeeperError,
+    ProviderError,
+    StoreUnavailable,
+    is_transient,
+)
 from providers.spec import check_id, echo
 from tasks.redaction import (
     RedactingRequest,
@@ -153,4 +159,8 @@ class LeaseTask(Task):  # type: ignore[misc]
                                  max_retries=self.runtime.settings.task_max_retries) from None
             if isinstance(exc, StoreUnavailable) and exc.retry_note:
                 raise exc.given_up(self.request.retries) from None
+            if is_transient(exc) and isinstance(exc, ProviderError):
+                final = exc.given_up(self.request.retries)
+                if final is not exc:
+                    raise final from None
             raise

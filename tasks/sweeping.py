@@ -115,14 +115,24 @@ def run_sweep(name: str, body: SweepBody, ctx: SweepContext) -> Summary:
     started = time.monotonic()
     if ctx.dry_run:
         return _summary(name, SweepRun.DRY_RUN, body(ctx), started)
+    from workers.heartbeats import (  # read by `leasekeeper status`
+        mark_sweep,
+        mark_sweep_running,
+        unmark_sweep_running,
+    )
+
+    client, queue = ctx.rt.redis(), ctx.rt.settings.task_queue
     with single_flight(ctx.rt, name) as mine:
         if not mine:
             return {"sweep": name, "run": SweepRun.SKIPPED.value, "took_ms": 0}
-        tally = body(ctx)
-    summary = _summary(name, SweepRun.RAN, tally, started)
-    from workers.heartbeats import mark_sweep  # read by `leasekeeper status`
-
-    mark_sweep(ctx.rt.redis(), ctx.rt.settings.task_queue, summary)
+        # A long tick (stuck_provisioning waits for readiness) is running, not late.
+        mark_sweep_running(client, queue, name, ctx.rt.settings.sweep_lock_ttl_s)
+        try:
+            tally = body(ctx)
+            summary = _summary(name, SweepRun.RAN, tally, started)
+            mark_sweep(client, queue, summary)
+        finally:
+            unmark_sweep_running(client, queue, name)
     if any(tally.counts.values()):
         log.info("%s: %s", name, {k: v for k, v in summary.items() if k != "items"})
     return summary

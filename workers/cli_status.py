@@ -68,22 +68,26 @@ def no_worker(node: str | None, queue: str) -> str:
 
 def sweep_ticks(settings: Settings, client: redis.Redis[bytes]) -> list[dict[str, Any]]:
     """Each sweep's last tick; late when older than three intervals (or, never run, when
-    beat started longer ago than that)."""
-    from workers.heartbeats import beat_started, last_sweeps
+    beat started longer ago than that), unless a tick is running now (it holds the sweep's
+    lock: a long one is working, not late)."""
+    from workers.heartbeats import beat_started, last_sweeps, running_sweeps
 
     now = time.time()
     ticks = last_sweeps(client, settings.task_queue, list(SWEEPS))
+    running = running_sweeps(client, settings.task_queue, list(SWEEPS))
     started = beat_started(client, settings.task_queue)
     rows = []
     for name, tick in ticks.items():
         interval = float(getattr(settings, SWEEPS[name]))
         at = float(tick["at"]) if tick else None
         since = at if at is not None else started
-        late = since is None or now - since > STALE_INTERVALS * interval
+        late = running[name] is None and (
+            since is None or now - since > STALE_INTERVALS * interval)
         counts = {k: v for k, v in (tick or {}).items()
                   if k not in {"sweep", "run", "took_ms", "at"}}
         rows.append({"sweep": name, "interval_s": interval, "last_tick_at": at,
                      "ago_s": None if at is None else round(now - at, 1), "late": late,
+                     "running_since": running[name],
                      "took_ms": (tick or {}).get("took_ms"), "counts": counts})
     return rows
 
@@ -224,7 +228,9 @@ def _print(report: dict[str, Any]) -> None:
               human_duration(t["ago_s"]) + (" LATE" if t["late"] else "")
               if t["ago_s"] is not None else ("LATE" if t["late"] else "-"),
               f"{t['took_ms']} ms" if t["took_ms"] is not None else None,
-              ", ".join(f"{k}={v}" for k, v in t["counts"].items() if v) or "nothing"]
+              (f"a tick running for {human_duration(time.time() - t['running_since'])}; "
+               if t.get("running_since") else "")
+              + (", ".join(f"{k}={v}" for k, v in t["counts"].items() if v) or "nothing")]
              for t in report["sweeps"]])))
     broker = report.get("broker")
     if broker:

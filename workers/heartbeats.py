@@ -6,6 +6,9 @@
                                              Redis lost it, its first tick after that)
     leasekeeper:<queue>:sweep:<name>:last    a sweep's last tick that ran: when, took_ms and
                                              its outcome counts (JSON; written by run_sweep)
+    leasekeeper:<queue>:sweep:<name>:running when the tick that holds the sweep's lock
+                                             started; gone when it ends, and expiring with
+                                             the lock (LEASEKEEPER_SWEEP_LOCK_TTL_S)
 
 Writes are best effort: a Redis hiccup never fails a tick. Every key expires, so an
 installation that is gone leaves nothing behind for long.
@@ -51,6 +54,30 @@ def last_beat(client: redis.Redis[bytes], queue: str) -> float | None:
 def beat_started(client: redis.Redis[bytes], queue: str) -> float | None:
     raw = client.get(beat_key(queue) + ":started")
     return float(raw) if raw else None
+
+
+def running_key(queue: str, sweep: str) -> str:
+    return f"leasekeeper:{queue}:sweep:{sweep}:running"
+
+
+def mark_sweep_running(client: redis.Redis[bytes], queue: str, sweep: str,
+                       lock_ttl_s: float) -> None:
+    """A tick started (and holds the lock): status counts the sweep as running, not late,
+    however long the tick takes, until it ends or its lock expires."""
+    with contextlib.suppress(redis.RedisError):
+        client.set(running_key(queue, sweep), repr(time.time()), ex=max(int(lock_ttl_s), 1))
+
+
+def unmark_sweep_running(client: redis.Redis[bytes], queue: str, sweep: str) -> None:
+    with contextlib.suppress(redis.RedisError):
+        client.delete(running_key(queue, sweep))
+
+
+def running_sweeps(client: redis.Redis[bytes], queue: str, sweeps: list[str]
+                   ) -> dict[str, float | None]:
+    """When each sweep's running tick started (None: none is running)."""
+    raws = client.mget([running_key(queue, name) for name in sweeps])
+    return {name: (float(raw) if raw else None) for name, raw in zip(sweeps, raws, strict=True)}
 
 
 def mark_sweep(client: redis.Redis[bytes], queue: str, summary: dict[str, Any]) -> None:

@@ -36,6 +36,7 @@ import websocket
 from kubernetes.client.exceptions import ApiException
 
 from providers.errors import (
+    TASK_RETRIES,
     ProviderConflict,
     ProviderError,
     TerminalProviderError,
@@ -89,7 +90,7 @@ _HINTS: dict[int, str] = {
     410: "the watch fell too far behind; it restarts from a fresh read",
     422: "the API server rejected the manifest; check the sandbox spec (image, command, "
          "resources, env names) and quotas",
-    429: "the API server is throttling; the task retries with backoff",
+    429: "the API server is throttling" + TASK_RETRIES,
 }
 
 
@@ -154,8 +155,8 @@ class Forbidden:
 # says `... cannot <verb> resource "<resource>" ...`.
 FORBIDDEN_NOT_RBAC: tuple[Forbidden, ...] = (
     Forbidden("exceeded quota", True,
-              "the namespace's ResourceQuota is used up: the task retries with backoff; free "
-              "some of it or raise the quota (kubectl describe resourcequota)"),
+              "the namespace's ResourceQuota is used up: free some of it or raise the quota "
+              "(kubectl describe resourcequota)" + TASK_RETRIES),
     Forbidden("is being terminated", False,
               "the namespace is being deleted: point LEASEKEEPER_KUBE_NAMESPACE at another "
               "namespace, or retry once it is recreated"),
@@ -178,7 +179,7 @@ def _describe(action: str, status: int, reason: str, message: str, *,
     not quoted (a recognised 403 is named by what it is)."""
     reason, message = reason.strip(), message.strip()
     hint = _HINTS.get(status) or (
-        "the API server failed; the task retries with backoff" if status >= 500 else
+        "the API server failed" + TASK_RETRIES if status >= 500 else
         "unexpected answer from the API server")
     other = forbidden(status, message)
     if other is not None:
@@ -265,6 +266,23 @@ def _is_certificate_error(exc: BaseException) -> bool:
     return False
 
 
+def _address(exc: urllib3.exceptions.HTTPError,
+             cause: urllib3.exceptions.NewConnectionError) -> str:
+    """host:port of the connection that failed (from urllib3's pool or connection)."""
+    where = getattr(exc, "pool", None) or getattr(cause, "conn", None)
+    host, port = getattr(where, "host", None), getattr(where, "port", None)
+    return f"{host}:{port}" if host else "its configured address"
+
+
+def _why_not_connected(cause: urllib3.exceptions.NewConnectionError) -> str:
+    if isinstance(cause, urllib3.exceptions.NameResolutionError):
+        return "its host name did not resolve"
+    text = str(cause)
+    if "refused" in text.lower():
+        return "connection refused"
+    return text.rsplit(": ", 1)[-1][:120] or type(cause).__name__
+
+
 @contextlib.contextmanager
 def kube_errors(action: str, *, sensitive: bool = False, permission: Permission | None = None,
                 namespace: str = "") -> Iterator[None]:
@@ -288,6 +306,13 @@ def kube_errors(action: str, *, sensitive: bool = False, permission: Permission 
         # urllib3 wraps what happened (after its connect retries) in MaxRetryError.
         cause = exc.reason if isinstance(exc, urllib3.exceptions.MaxRetryError) else exc
         kind = type(cause or exc).__name__
+        # NewConnectionError (refused, unresolvable) subclasses ConnectTimeoutError.
+        if isinstance(cause, urllib3.exceptions.NewConnectionError):
+            raise TransientProviderError(
+                f"kubernetes: {action} failed: could not connect to the API server at "
+                f"{_address(exc, cause)} ({_why_not_connected(cause)}; is it running, and is "
+                f"the kubeconfig/in-cluster address right?){TASK_RETRIES}"
+            ) from None
         if isinstance(cause, urllib3.exceptions.TimeoutError | TimeoutError):
             raise TransientProviderError(
                 f"kubernetes: {action} failed: the API server did not answer within "

@@ -285,6 +285,9 @@ def test_destroy_workload_failure_still_deletes_pod_and_secret(kube_stack: KubeS
     with pytest.raises(DestroyIncomplete) as info:
         producer.destroy_lease(lease_id).get(60)
     assert f"HTTP {code}" in str(info.value) and "workload" in str(info.value)
+    # a destroy never retries a provider failure itself: sweep.retry_cleanup does, said once
+    assert "the task retries" not in str(info.value), info.value
+    assert str(info.value).count("sweep.retry_cleanup will try again") == 1, info.value
     assert ks.proxy.count("DELETE", rf"/pods/{name}$") == 1
     assert ks.proxy.count("DELETE", rf"/secrets/{name}-env$") == 1
     ks.env.wait("secret", f"{name}-env", gone)
@@ -335,6 +338,9 @@ def test_acquire_cleanup_failure_leaves_pending_cleanup_without_secrets(
     assert f"acquisition of lease {lease.lease_id} failed and cleanup was incomplete" in text
     assert "HTTP 422" in text and "HTTP 500" in text
     assert text.count("cleanup was incomplete") == 1  # said once, not nested
+    # what happens next is said once: no "will try again. ... will destroy what is left"
+    assert text.count("sweep.retry_cleanup") == 1, text
+    assert "the task retries" not in text, text
     assert lease.state == LeaseState.PENDING_CLEANUP and lease.end_reason == "acquire_failed"
     assert ks.run(run_id).status == RunStatus.FAILED
     # the Sandbox is still there, and the store says so

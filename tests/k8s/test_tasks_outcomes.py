@@ -175,11 +175,36 @@ def test_resume_read_errors_propagate_and_leave_the_lease_alone(
         producer.check_resumable(lease_id).get(60)
     text = str(info.value)
     assert f"HTTP {code}" in text and says in text, text
+    if error is TransientProviderError:  # the final error says the retries ran out
+        assert "the task retries" not in text, text
+        assert "the task gave up after 2 retries (LEASEKEEPER_TASK_MAX_RETRIES)" in text, text
     # and an error is not an answer: the lease stays active, nothing is deleted
     assert ks.lease(lease_id).state == LeaseState.ACTIVE
     assert ks.proxy.count("DELETE") == 0
     ks.proxy.clear_rules()
     assert producer.check_resumable(lease_id).get(60)["resumable"] is True
+
+
+def test_a_closed_api_server_port_is_named_as_refused_and_the_final_error_says_so(
+        kube_stack: KubeStack) -> None:
+    # given a live lease, and then nothing listening where the worker's kubeconfig points
+    ks = kube_stack
+    lease_id = acquire(ks, command=LOOP)["lease_id"]
+    address = ks.proxy.url.removeprefix("https://")
+    ks.proxy.stop()  # the stack is retired after this test; its proxy is not used again
+    # when checking resume; then, after its retries, the task fails saying it could not
+    # connect, where to, and why (not a timeout), and that it gave up retrying
+    with pytest.raises(TransientProviderError) as info:
+        producer.check_resumable(lease_id).get(60)
+    text = str(info.value)
+    assert (f"could not connect to the API server at {address} (connection refused; is it "
+            "running, and is the kubeconfig/in-cluster address right?)") in text, text
+    assert "did not answer within" not in text, text
+    assert "the task retries" not in text, text
+    assert text.endswith("; the task gave up after 2 retries "
+                         "(LEASEKEEPER_TASK_MAX_RETRIES)"), text
+    # and an error is not an answer: the lease stays active
+    assert ks.lease(lease_id).state == LeaseState.ACTIVE
 
 
 # -- a Job killed by its active deadline ------------------------------------------------------

@@ -7,8 +7,10 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,8 +22,9 @@ from providers.local import LocalProvider, ProcessIdentity, _alive
 from providers.spec import SandboxSpec
 from tasks import stuck
 from tasks.stuck import StuckOutcome, stuck_provisioning
-from tasks.sweeping import SweepContext
+from tasks.sweeping import SweepContext, Tally, run_sweep
 from tests.sweeps.conftest import Recorder, concurrently, events_to, set_lease
+from workers.cli_status import sweep_ticks
 from workers.runtime import Runtime
 
 pytestmark = pytest.mark.timeout(90)
@@ -210,3 +213,31 @@ def test_extend_acquire_deadline_moves_only_a_provisioning_lease(rt: Runtime) ->
     rt.store.transition(lease_id, {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP, "test")
     assert rt.store.extend_acquire_deadline("run-1", until + timedelta(minutes=5)) == 0
     assert rt.store.extend_acquire_deadline("no-such-run", until) == 0
+
+
+def test_a_long_tick_counts_as_running_for_status_not_late(
+        runtime_with: Callable[..., Runtime], effects: Recorder) -> None:
+    # A tick that waits out stuck leases' readiness checks ran past three intervals, and
+    # `leasekeeper status` said the sweep "has not run" while it worked.
+    rt = runtime_with(stuck_provisioning_interval_s=0.05)
+    client = rt.redis()
+
+    def row() -> dict[str, Any]:
+        return next(r for r in sweep_ticks(rt.settings, client) if r["sweep"] == stuck.NAME)
+
+    run_sweep(stuck.NAME, stuck_provisioning, SweepContext(rt, effects))  # a tick ended
+    time.sleep(0.2)  # then the next tick runs longer than three intervals
+    seen: list[dict[str, Any]] = []
+
+    def long_tick(ctx: SweepContext) -> Tally:
+        while time.time() - (row()["last_tick_at"] or 0) <= 0.15:
+            time.sleep(0.05)
+        seen.append(row())  # what status says while the tick works
+        return stuck_provisioning(ctx)
+
+    run_sweep(stuck.NAME, long_tick, SweepContext(rt, effects))
+    (during,) = seen
+    assert not during["late"], during
+    assert during.get("running_since") is not None, during
+    after = row()  # the tick ended: judged by its end again, and no longer running
+    assert not after["late"] and after.get("running_since") is None, after
