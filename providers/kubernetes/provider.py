@@ -2,7 +2,8 @@
 (``sandbox-cr``: an agent-sandbox Sandbox; ``job``: a batch Job), each with a per-run
 Secret ``<name>-env``.
 
-    acquire       workload (409 → adopt if ours), then Secret (owner = the workload's uid),
+    acquire       workload (409 → adopt if ours; gone by the read → create again, a few
+                  times), then Secret (owner = the workload's uid),
                   then wait: Sandbox Ready through one watch (its pod named from it); Job
                   exists (Pending is fine). 3 requests for a Sandbox, 2 for a Job.
                   A warm pool member (``request.pool``) must be claimable once acquired:
@@ -20,9 +21,11 @@ Secret ``<name>-env``.
     job_exit      a Job's phase and its container's exit code.
     destroy       workload (Foreground), its pods (listed by our labels), Secret; every
                   part attempted, 404 = done. Each object is deleted by the uid recorded
-                  at acquire or, failing that, only if its labels say it is this lease's
-                  (then by the uid just read): anyone else's object, never, nor one that
-                  another controller owns (a Deployment's pod that copied our labels).
+                  at acquire or, failing that, only if it passes acquire's test (``_ours``:
+                  its installation and lease-id labels and annotation name this lease, the
+                  one whose name it is) (then by the uid just read): anyone else's object,
+                  never, not even a DELETE, nor one that another controller owns (a
+                  Deployment's pod that copied our labels).
     list_managed  everything carrying this installation's label, one entry per workload,
                   with a finished Job's exit code (or why it ended without one) for
                   sweep.finish_exited, and whether it is stuck terminating.
@@ -139,6 +142,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("leasekeeper.kubernetes")
 RUN_ID_KEYS = (LABEL_RUN_ID, "run_id", "run-id")
 _RESERVED_PREFIXES = ("leasekeeper.dev/", LABEL_MANAGED_BY)
+# Creates of a lease's workload when each 409 is followed by a 404 on the read.
+_CREATE_ATTEMPTS = 3
 
 
 class JobExit(NamedTuple):
@@ -259,7 +264,7 @@ class KubernetesProvider:
         deadline = self._clock() + request.timeout_s
         backend = self._backend(request.spec.backend)
         identity = self._identity(request)
-        workload = self._create_or_adopt(backend, identity, request)
+        workload = self._create_or_adopt(backend, identity, request, deadline)
         info = self._meta(backend, workload.obj, pod_name=None)
         if request.pool is not None:
             info["pool"] = request.pool
@@ -314,19 +319,43 @@ class KubernetesProvider:
         }
 
     def _create_or_adopt(self, backend: Backend, identity: LeaseIdentity,
-                         request: AcquireRequest) -> _Workload:
+                         request: AcquireRequest, deadline: float) -> _Workload:
         match backend:
             case Backend.SANDBOX_CR:
                 manifest = build_sandbox(identity, request.spec, self.defaults, self._now())
             case Backend.JOB:
                 manifest = build_job(identity, request.spec, self.defaults)
-        try:
-            return _Workload(self.api.create_workload(backend, manifest), AcquireOutcome.CREATED)
-        except KubeAlreadyExists:
-            existing = self.api.get_workload(backend, identity.name)
         where = f"{backend.value} {self.api.namespace}/{identity.name}"
-        if (not belongs_to(existing, identity.lease_id, self.installation)
-                or controlled_by_other(existing, identity.name)):
+        # A 409 then a 404: the one holding the name went in between (the garbage collector
+        # finishing the Foreground delete of an earlier attempt's). The name is free: create
+        # again, a few times within the acquire's deadline; then a retry's matter.
+        for _ in range(_CREATE_ATTEMPTS):
+            try:
+                return _Workload(self.api.create_workload(backend, manifest),
+                                 AcquireOutcome.CREATED)
+            except KubeAlreadyExists:
+                pass
+            try:
+                existing = self.api.get_workload(backend, identity.name)
+            except KubeNotFound:
+                if self._clock() >= deadline:
+                    break
+                continue
+            return self._adopt(existing, where, identity)
+        raise TransientProviderError(
+            f"kubernetes: {where} kept existing when created and being gone when read (an "
+            "earlier one under its name is being deleted); retry once it is gone")
+
+    def _adopt(self, existing: Obj, where: str, identity: LeaseIdentity) -> _Workload:
+        """The workload a 409 revealed, if it is this lease's (acquire's test: belongs_to,
+        and no other controller); refused otherwise, naming why."""
+        if controlled_by_other(existing, identity.name):
+            raise ProviderConflict(
+                f"kubernetes: {where} already exists and {controller_said(existing)}, so it is "
+                f"not lease {identity.lease_id}'s, whatever its labels say; refusing to adopt "
+                "it: remove it through its controller if it is a leftover, or use another "
+                "LEASEKEEPER_KUBE_NAMESPACE")
+        if not belongs_to(existing, identity.lease_id, self.installation):
             labels = labels_of(existing)
             raise ProviderConflict(
                 f"kubernetes: {where} already exists and is not lease {identity.lease_id}'s "
@@ -727,9 +756,9 @@ class KubernetesProvider:
     def destroy(self, handle: LeaseHandle) -> DestroyOutcome:
         """Workload, its pods, its Secret: each part attempted, each failure reported. No
         part is deleted on a name alone: by the uid recorded at acquire (a server-side
-        precondition), else by what its labels say (this installation's, workload
-        ``handle.name``: names are derived from lease ids, so that is this lease's),
-        and then by the uid just read. Anyone else's object, never."""
+        precondition), else only if ``_ours`` says it is this lease's (acquire's test, for
+        the lease whose name is ``handle.name``), and then by the uid just read. Anyone
+        else's object, never: no DELETE is sent for it."""
         raw = handle.backend or handle.meta.get("backend")
         backend = self._backend_or_none(str(raw)) if raw else self.default_backend
         if backend is None:
@@ -865,12 +894,19 @@ class KubernetesProvider:
         return 1
 
     def _ours(self, obj: Obj, name: str) -> bool:
-        """Labelled as part of this installation's workload ``name``, and controlled by
-        nothing but that workload. Names are derived from lease ids, so that is this
-        lease's, whichever incarnation it is. Labels can be copied (a Deployment's pod
-        template): an object another controller owns is never ours."""
+        """This lease's part of workload ``name``, by the test acquire adopts by
+        (``belongs_to``: this installation's labels and the lease's id, label and exact
+        annotation), labelled as part of that workload, and controlled by nothing but it.
+        No lease id comes with a handle: names are derived from lease ids, so the lease is
+        the one the object names (its exact annotation, else its label), and only if that
+        lease's name is ``name``: a Secret under our name labelled with another lease's id
+        (made by hand, or by another tool) is not ours. Labels can be copied (a
+        Deployment's pod template): an object another controller owns is never ours."""
         labels = labels_of(obj)
-        return (labels.get(LABEL_INSTALLATION) == self.installation
+        exact = (meta(obj).get("annotations") or {}).get(ANNOTATION_LEASE_ID)
+        lease_id = str(exact or labels.get(LABEL_LEASE_ID) or "")
+        return (bool(lease_id) and _lease_name(lease_id) == name
+                and belongs_to(obj, lease_id, self.installation)
                 and labels.get(LABEL_WORKLOAD) == name
                 and not controlled_by_other(obj, name))
 
@@ -893,7 +929,8 @@ class KubernetesProvider:
     def list_managed(self) -> list[ManagedResource]:
         """Four lists by the installation label (Sandboxes, Jobs, Secret metadata, pods),
         one entry per workload; Secrets and pods whose workload is gone are reported as
-        orphans; an object another controller owns is left out, whatever its labels. A
+        orphans; an object another controller owns is left out, whatever its labels (one
+        labelled for another lease is listed: destroy refuses it). A
         finished Job's entry carries its container's exit code, read from the
         pods already listed (no request per Job), or, for a Job Kubernetes stopped before
         its command exited (its active deadline), no code and that reason. A workload
@@ -911,6 +948,8 @@ class KubernetesProvider:
         pods = self.api.list_pods(selector)
         # Labels can be copied (a Deployment's pod template, a CronJob's Job): an object
         # another controller owns is not ours, neither a workload nor an orphan to sweep.
+        # One labelled for another lease stays listed (sweep.stuck_provisioning leaves a
+        # lease whose name it holds for an operator); destroy refuses it all the same.
         workloads = [(b, obj) for b, obj in workloads
                      if not controlled_by_other(obj, name_of(obj))]
         secrets = [obj for obj in secrets if not self._controlled_elsewhere(obj)]

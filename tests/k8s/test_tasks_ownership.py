@@ -4,11 +4,14 @@ collector, through the Celery tasks on a real worker (``kube_stack``) and the re
   name) fails clearly, and every cleanup after it leaves their objects alone;
 - destroying a Job lease deletes its pods itself, so a stuck GC (the controller manager
   frozen) cannot keep them running;
-- a workload stuck terminating is reported by ``sweep.orphans`` and its pods are deleted.
+- a workload stuck terminating is reported by ``sweep.orphans`` and its pods are deleted;
+- a Secret labelled with this installation and a lease's workload name but another lease's
+  id (made by hand) is never deleted by the destroy of the orphan ``sweep.orphans`` records.
 """
 
 from __future__ import annotations
 
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,7 +19,14 @@ import pytest
 
 from models.schema import LeaseState, RunStatus
 from providers.errors import ProviderConflict
-from providers.kubernetes.manifests import LeaseIdentity, build_job, build_sandbox
+from providers.kubernetes.manifests import (
+    Backend,
+    LeaseIdentity,
+    OwnerRef,
+    build_job,
+    build_sandbox,
+    build_secret,
+)
 from providers.spec import SandboxSpec
 from tasks import producer
 from tests.cluster.waits import gone, pod_phase_in
@@ -173,3 +183,32 @@ def test_a_job_stuck_terminating_is_reported_and_its_pods_deleted(
         assert ks.env.read("secret", f"{name}-env") is None
         assert f"{name} (lease {lease_id}) is still terminating" in ks.worker_log()
     ks.env.wait("job", name, gone)
+
+
+# -- a part labelled for another lease is no orphan of ours -----------------------------------
+
+def test_an_orphan_destroy_never_deletes_a_secret_labelled_for_another_lease(
+        kube_stack: KubeStack) -> None:
+    # given a Secret under lease qag82a512's Secret name, labelled with this installation and
+    # that lease's workload name but lease id someotherlease (label and annotation), made by
+    # hand, older than the orphan grace
+    ks = kube_stack
+    ks.restart_worker(LEASEKEEPER_ORPHAN_GRACE_S="1")
+    name = ks.env.provider.lease_name("qag82a512")
+    identity = LeaseIdentity("someotherlease", name, ks.env.installation, "acme")
+    manifest = build_secret(identity, SandboxSpec(tenant="acme"), ks.env.provider.defaults,
+                            Backend.JOB, "their-token", OwnerRef("v1", "X", "x", "x"))
+    del manifest["metadata"]["ownerReferences"]
+    theirs = str(ks.env.core.create_namespaced_secret(ks.namespace, manifest).metadata.uid)
+    time.sleep(2)  # past the 1 s grace: the sweep takes it
+    ks.proxy.reset_counts()
+    # when sweep.orphans runs (its labels say this installation's: it is recorded as an
+    # orphan, and destroyed)
+    summary = app.send_task("sweep.orphans").get(60)
+    assert summary["recorded"] == 1, summary
+    (lease,) = ks.store.leases()
+    eventually(lambda: ks.lease(lease.lease_id).state == LeaseState.DESTROYED,
+               "the orphan's destroy")
+    # then that destroy sent no DELETE: the Secret is not lease qag82a512's
+    assert ks.proxy.count("DELETE") == 0
+    assert uid(ks.env.read("secret", f"{name}-env")) == theirs
