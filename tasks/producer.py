@@ -12,7 +12,6 @@ payloads documented in the README. With the broker down, every call raises
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ from typing import Any
 import redis
 from celery import Task
 from celery.result import AsyncResult
-from kombu.exceptions import OperationalError
 
 from providers.errors import BrokerUnavailable, ConfigError, InvalidRequest
 from providers.kubernetes.manifests import backend_refusal
@@ -35,6 +33,13 @@ from providers.spec import (
     hide_secret_values,
 )
 from tasks.acquire import acquire, parse_acquire
+from tasks.broker_words import (
+    BROKER_ERRORS,
+    broker_error,
+    broker_unreachable,
+    database_missing,
+    out_of_memory,
+)
 from tasks.destroy import checked_reason, clean_reason, destroy
 from tasks.reclaim import reclaim
 from tasks.redaction import scrub_text, secret_values
@@ -50,11 +55,9 @@ from workers.settings import (
     OFFERED_PROVIDERS,
     PROVIDER_NAMES,
     Settings,
-    env_file_path,
     get_settings,
     provider_not_enabled,
 )
-from workers.up_lock import broker_hint
 
 
 def _id(task: Task, kind: str, value: object) -> str:
@@ -90,117 +93,16 @@ def _send(task: Task, kwargs: dict[str, Any]) -> AsyncResult:
             if client is not None:
                 client.ping()
         result = task.apply_async(kwargs=kwargs, retry_policy=PUBLISH_RETRY_POLICY)
-    except (*_BROKER_ERRORS, redis.ResponseError, RuntimeError) as exc:
+    except (*BROKER_ERRORS, redis.ResponseError, RuntimeError) as exc:
         if database_missing(exc):  # a setting to fix, not a broker to wait for
             raise ConfigError(broker_unreachable(task.app.conf.broker_url, exc)) from None
-        lost = exc if out_of_memory(exc) else _broker_error(exc)
+        lost = exc if out_of_memory(exc) else broker_error(exc)
         if lost is None:
             raise
         _broker_seen_at = float("-inf")
         raise BrokerUnavailable(broker_unreachable(task.app.conf.broker_url, lost)) from None
     _broker_seen_at = time.monotonic()
     return result
-
-
-# InvalidResponse: what answers at the broker's address is not Redis.
-_BROKER_ERRORS = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.InvalidResponse,
-                  OperationalError)
-
-
-def _broker_error(exc: BaseException) -> BaseException | None:
-    """The lost broker connection behind a failed send, or None if it was not one.
-
-    Celery subscribes to the task's result before it publishes; when that subscription's
-    connection is dead and its reconnect fails too, the result consumer raises a
-    RuntimeError ("must be restarted") caused by the connection error. Nothing was sent
-    then either, and the consumer reconnects on a later send."""
-    if isinstance(exc, _BROKER_ERRORS):
-        return exc
-    if isinstance(exc, RuntimeError) and isinstance(exc.__cause__, _BROKER_ERRORS):
-        return exc.__cause__
-    return None
-
-
-def broker_unreachable(url: str, exc: BaseException, sending: bool = True,
-                       setting: str = "LEASEKEEPER_BROKER_URL") -> str:
-    """The one-line message for a broker that cannot be reached (no password shown);
-    ``sending``: a send failed, and the message says nothing was sent; ``setting``: the
-    one that names ``url`` (the result backend's, when it is set apart)."""
-    from kombu.utils.url import maybe_sanitize_url
-
-    if out_of_memory(exc):
-        return broker_full(url, sending)
-    what = "broker" if setting == "LEASEKEEPER_BROKER_URL" else "result backend"
-    where = f"the {what} at {maybe_sanitize_url(url)} ({setting})"
-    unsent = "; nothing was sent." if sending else "."
-    if database_missing(exc):
-        return (f"{where} answers but has no such database (DB index is out of range){unsent} "
-                f"Use a database number this Redis has in {setting} "
-                "(redis://host:6379/0; 0 to 15 unless its `databases` setting says more)")
-    refused = auth_failure(exc)
-    if refused is not None:
-        return f"{where} answers but authentication failed ({refused}){unsent} " + (
-            f"Fix the password in {setting} (redis://:PASSWORD@host:port/db; "
-            "or remove it if this Redis needs none)" if _has_password(url) else
-            f"This Redis needs a password: put it in {setting} "
-            "(redis://:PASSWORD@host:port/db)")
-    if isinstance(exc, redis.exceptions.InvalidResponse):  # an HTTP server, say
-        return (f"{where} is not Redis: what answers there speaks another protocol "
-                f"({str(exc)[:80]}){unsent} Point the URL at Redis, then retry")
-    reason = str(exc).split(". ")[-1].strip(". ") or type(exc).__name__
-    return (f"{where} is unreachable ({reason}){unsent} Start Redis there or fix the URL, "
-            f"then retry.{broker_hint(os.environ, env_file_path())}")
-
-
-def broker_full(url: str, sending: bool = True, then: str = "then retry") -> str:
-    """The one-line message for a broker's Redis that is up but full (maxmemory reached
-    under noeviction: it answers reads and refuses writes); no password shown."""
-    from kombu.utils.url import maybe_sanitize_url
-
-    unsent = "; nothing was sent: " if sending else ": "
-    return (f"the broker's Redis at {maybe_sanitize_url(url)} is out of memory (used memory "
-            f"> maxmemory){unsent}raise its maxmemory or free memory (leasekeeper needs "
-            f"maxmemory-policy noeviction), {then}")
-
-
-# redis-py's error for a write a full Redis refuses (a ResponseError); redis-stubs lacks it.
-OutOfMemoryError: type[redis.ResponseError] = (
-    redis.exceptions.OutOfMemoryError)  # type: ignore[attr-defined]
-
-
-def out_of_memory(exc: BaseException | None) -> bool:
-    """Redis refused a write for want of memory ("OOM command not allowed when used
-    memory > 'maxmemory'"): redis-py's OutOfMemoryError, which kombu may wrap (its
-    OperationalError keeps the text); the chain is walked."""
-    seen = 0
-    while exc is not None and seen < 5:
-        if (isinstance(exc, OutOfMemoryError)
-                or "used memory > 'maxmemory'" in str(exc)):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
-
-
-def database_missing(exc: BaseException | None) -> bool:
-    """Redis refused the URL's database number (SELECT: "DB index is out of range"): a
-    setting to fix, not a broker to wait for. kombu wraps it; the chain is walked."""
-    seen = 0
-    while exc is not None and seen < 5:
-        if "DB index is out of range" in str(exc):
-            return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return False
-
-
-def auth_failure(exc: BaseException | None) -> str | None:
-    """Redis's reason when ``exc`` (or what caused it: kombu wraps it) is a refused
-    password (WRONGPASS, NOAUTH, a password this Redis does not have), else None."""
-    seen = 0
-    while exc is not None and seen < 5:
-        if isinstance(exc, redis.exceptions.AuthenticationError):
-            return str(exc).strip(". ")[:120] or "the password was refused"
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
-    return None
 
 
 class TaskState(StrEnum):
@@ -242,14 +144,14 @@ def task_status(task_id: str) -> TaskStatus:
     found = AsyncResult(task_id, app=acquire.app)
     try:
         state, value = found.state, found.result
-    except (*_BROKER_ERRORS, redis.ResponseError, RuntimeError) as exc:
+    except (*BROKER_ERRORS, redis.ResponseError, RuntimeError) as exc:
         settings = get_settings()
         setting = ("LEASEKEEPER_RESULT_BACKEND_URL" if settings.result_backend_url
                    else "LEASEKEEPER_BROKER_URL")
         url = str(acquire.app.conf.result_backend)
         if database_missing(exc):
             raise ConfigError(broker_unreachable(url, exc, False, setting)) from None
-        lost = _broker_error(exc)
+        lost = broker_error(exc)
         if lost is None:
             raise
         raise BrokerUnavailable(broker_unreachable(url, lost, False, setting)) from None
@@ -259,15 +161,6 @@ def task_status(task_id: str) -> TaskStatus:
     if known in (TaskState.FAILURE, TaskState.RETRY) and isinstance(value, BaseException):
         return TaskStatus(known, error=str(value) or type(value).__name__)
     return TaskStatus(known)
-
-
-def _has_password(url: str) -> bool:
-    from urllib.parse import urlsplit
-
-    try:
-        return bool(urlsplit(url).password)
-    except ValueError:
-        return False
 
 
 def acquire_lease(run_id: str, spec: SandboxSpec | Mapping[str, Any] | None = None

@@ -68,7 +68,7 @@ def _thread_key(settings: Settings, thread_id: str) -> str:
 
 
 def _unreachable(rt: Runtime, doing: str, exc: redis.RedisError) -> BrokerUnavailable:
-    from tasks.producer import broker_unreachable  # the URL, its setting, the fix
+    from tasks.broker_words import broker_unreachable  # the URL, its setting, the fix
 
     reason = broker_unreachable(rt.settings.effective_broker_url, exc, sending=False)
     return BrokerUnavailable(f"secret marks: could not {doing}: {reason}")

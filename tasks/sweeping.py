@@ -97,7 +97,7 @@ def single_flight(rt: Runtime, sweep: str) -> Iterator[bool]:
     try:
         acquired = bool(lock.acquire(blocking=False))
     except redis.RedisError as exc:
-        from tasks.producer import broker_unreachable  # the URL, its setting, the fix
+        from tasks.broker_words import broker_unreachable  # the URL, its setting, the fix
 
         reason = broker_unreachable(rt.settings.effective_broker_url, exc, sending=False)
         raise StoreUnavailable(f"Redis lock for {sweep} unavailable: {reason}") from None

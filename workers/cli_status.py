@@ -140,7 +140,7 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
         from workers.preflight import refuses_writes
 
         if refuses_writes(client):  # it reads: the rest of the report still shows
-            from tasks.producer import broker_full
+            from tasks.broker_words import broker_full
 
             verdict.problems.append(broker_full(settings.effective_broker_url, sending=False))
 
@@ -169,7 +169,7 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
             verdict.problems += unserved(report["lanes"])
             verdict.notes += idle(report["lanes"])
     except redis.RedisError as exc:
-        from tasks.producer import broker_unreachable
+        from tasks.broker_words import broker_unreachable
 
         problem = broker_unreachable(settings.effective_broker_url, exc, sending=False)
         if problem not in verdict.problems:  # a full Redis, already said
@@ -318,7 +318,7 @@ def _probe(check: Check, settings: Settings, node: str | None, timeout_s: float
 def _probe_workers(settings: Settings, node: str | None, timeout_s: float) -> list[str]:
     """A worker of this installation answers and, unless ``node`` names the one to probe
     (a probe of that worker, not of the deploy), every lane with tasks waiting has one."""
-    from tasks.producer import broker_unreachable
+    from tasks.broker_words import broker_unreachable
     from workers.cli_lanes import lane_rows, lanes_online, unserved
     from workers.preflight import check_broker
 

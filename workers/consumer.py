@@ -36,7 +36,7 @@ from typing import Any
 import redis
 from celery.utils.log import get_logger
 
-from tasks.producer import OutOfMemoryError, broker_full, out_of_memory
+from tasks.broker_words import OutOfMemoryError, broker_full, out_of_memory
 from tasks.redaction import RedactingConsumer
 
 log = get_logger("leasekeeper.worker")

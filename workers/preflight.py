@@ -49,7 +49,7 @@ class NewerStore(ConfigError):
 
 
 def check_broker(url: str, timeout_s: float = 2.0) -> None:
-    from tasks.producer import broker_full, broker_unreachable, database_missing
+    from tasks.broker_words import broker_full, broker_unreachable, database_missing
 
     client = redis.Redis.from_url(url, socket_timeout=timeout_s,
                                   socket_connect_timeout=timeout_s)

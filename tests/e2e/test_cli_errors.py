@@ -348,7 +348,7 @@ def test_the_default_broker_address_unreachable_says_how_to_start_one(
     # Before, on a new machine with nothing started: only "Start Redis there or fix the
     # URL", about an address the user never chose. (The default address itself may have
     # a Redis on a machine; the message is built the same way for any unreachable URL.)
-    from tasks.producer import broker_unreachable
+    from tasks.broker_words import broker_unreachable
     from workers.up_lock import broker_hint
 
     with pytest.MonkeyPatch.context() as env:
