@@ -41,6 +41,11 @@ class LeasekeeperError(Exception):
         exporter): without what a task would do about it."""
         return str(self)
 
+    def given_up(self, retries: int) -> LeasekeeperError:
+        """The error a task whose ``retries`` ran out raises: one whose message promises a
+        retry says it gave up instead; any other, itself."""
+        return self
+
 
 class ConfigError(LeasekeeperError):
     """Settings or the provider registry are invalid."""
@@ -101,6 +106,8 @@ class StoreUnavailable(StoreError):
     def given_up(self, retries: int) -> StoreUnavailable:
         """The same error from a task whose retries ran out: it says so, not that it will
         retry."""
+        if not self.retry_note:
+            return self
         return type(self)(self.outside_a_task(), gave_up(retries))
 
 

@@ -32,8 +32,6 @@ from celery.exceptions import Retry
 from providers.errors import (
     InvalidRequest,
     LeasekeeperError,
-    ProviderError,
-    StoreUnavailable,
     is_transient,
 )
 from providers.spec import check_id, echo
@@ -157,10 +155,8 @@ class LeaseTask(Task):  # type: ignore[misc]
                 # which Task.retry would otherwise enforce under may_retry's check.
                 raise self.retry(exc=exc, countdown=countdown,
                                  max_retries=self.runtime.settings.task_max_retries) from None
-            if isinstance(exc, StoreUnavailable) and exc.retry_note:
-                raise exc.given_up(self.request.retries) from None
-            if is_transient(exc) and isinstance(exc, ProviderError):
-                final = exc.given_up(self.request.retries)
+            if is_transient(exc) and isinstance(exc, LeasekeeperError):
+                final = exc.given_up(self.request.retries)  # says it gave up, not "will retry"
                 if final is not exc:
                     raise final from None
             raise

@@ -37,7 +37,7 @@ from kubernetes.config.config_exception import ConfigException
 from kubernetes.stream import stream as kube_stream
 from kubernetes.stream.ws_client import ERROR_CHANNEL, STDERR_CHANNEL, STDOUT_CHANNEL, WSClient
 
-from providers.errors import ConfigError, TransientProviderError
+from providers.errors import TASK_RETRIES, ConfigError, TransientProviderError
 from providers.kubernetes.errors import (
     CommandExit,
     Permission,
@@ -428,8 +428,8 @@ class KubeApi:
                                        namespace=self.namespace)
             case ExecEnd.MISSING:
                 raise TransientProviderError(
-                    f"kubernetes: {action} failed: the stream closed without an exit status; "
-                    "the task retries with backoff")
+                    f"kubernetes: {action} failed: the stream closed without an exit status"
+                    + TASK_RETRIES)
 
     def _open_exec(self, pod: str, container: str, command: list[str], deadline: float,
                    clock: Callable[[], float], action: str) -> WSClient:
@@ -466,7 +466,7 @@ class KubeApi:
                 abandoned = True
                 raise TransientProviderError(
                     f"kubernetes: {action} failed: the API server did not open the exec "
-                    "stream in time; the task retries with backoff")
+                    "stream in time" + TASK_RETRIES)
             result = outcome[0]
         if isinstance(result, BaseException):
             raise _handshake_error(result)
@@ -484,5 +484,5 @@ def _exchange(ws: _ExecStream, stdin: bytes, deadline: float, clock: Callable[[]
         if remaining <= 0:
             raise TransientProviderError(
                 f"kubernetes: {action} failed: the command did not finish within "
-                f"{timeout_s:g}s; the task retries with backoff")
+                f"{timeout_s:g}s{TASK_RETRIES}")
         ws.pump(remaining)

@@ -316,21 +316,21 @@ def kube_errors(action: str, *, sensitive: bool = False, permission: Permission 
         if isinstance(cause, urllib3.exceptions.TimeoutError | TimeoutError):
             raise TransientProviderError(
                 f"kubernetes: {action} failed: the API server did not answer within "
-                f"LEASEKEEPER_KUBE_REQUEST_TIMEOUT_S ({kind}); the task retries with backoff"
+                f"LEASEKEEPER_KUBE_REQUEST_TIMEOUT_S ({kind}){TASK_RETRIES}"
             ) from None
         raise TransientProviderError(
             f"kubernetes: {action} failed: connection to the API server failed "
-            f"({kind}); the task retries with backoff"
+            f"({kind}){TASK_RETRIES}"
         ) from None
     except websocket.WebSocketException as exc:  # an exec stream, after its handshake
         raise TransientProviderError(
-            f"kubernetes: {action} failed: the stream broke ({type(exc).__name__}); the task "
-            "retries with backoff"
+            f"kubernetes: {action} failed: the stream broke ({type(exc).__name__})"
+            + TASK_RETRIES
         ) from None
     except (TimeoutError, ConnectionError) as exc:
         raise TransientProviderError(
-            f"kubernetes: {action} failed: {type(exc).__name__} talking to the API server; "
-            "the task retries with backoff"
+            f"kubernetes: {action} failed: {type(exc).__name__} talking to the API server"
+            + TASK_RETRIES
         ) from None
     except ssl.SSLError as exc:  # a WebSocket's own TLS (the REST calls' come via urllib3)
         if _is_certificate_error(exc):
@@ -340,10 +340,10 @@ def kube_errors(action: str, *, sensitive: bool = False, permission: Permission 
             ) from None
         raise TransientProviderError(
             f"kubernetes: {action} failed: TLS to the API server failed "
-            f"({type(exc).__name__}); the task retries with backoff"
+            f"({type(exc).__name__}){TASK_RETRIES}"
         ) from None
     except OSError as exc:  # a WebSocket's own connect: name resolution, unreachable network
         raise TransientProviderError(
-            f"kubernetes: {action} failed: {type(exc).__name__} reaching the API server; "
-            "the task retries with backoff"
+            f"kubernetes: {action} failed: {type(exc).__name__} reaching the API server"
+            + TASK_RETRIES
         ) from None
