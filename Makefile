@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# setuptools prints a boxed "Editable installation" note on every `pip install -e`; a new
+# user's first `make run` should show only what leasekeeper has to say.
+QUIET_BUILD := PYTHONWARNINGS='ignore:Editable installation'
 export PYTHONPATH := $(CURDIR)
 
 .PHONY: run test lint bench system-deps kube-binaries clean
@@ -12,7 +15,7 @@ export PYTHONPATH := $(CURDIR)
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(QUIET_BUILD) $(PY) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
 run: $(STAMP)
