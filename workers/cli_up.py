@@ -428,7 +428,10 @@ def flower(
     if not 0 < port < 65536:
         raise ConfigError(f"Flower needs a port between 1 and 65535, got {port}")
     from workers.embedded import port_is_free, require_package
+    from workers.preflight import refuse_a_broker_that_refuses_us
 
+    # A refused password would give a dashboard with no worker and no task, for ever.
+    refuse_a_broker_that_refuses_us("flower")
     require_package("flower", "flower>=2.0", "`leasekeeper flower`")
     if address in {"127.0.0.1", "0.0.0.0", "localhost"} and not port_is_free(port):  # noqa: S104
         raise ConfigError(f"port {port} is taken by another process (another Flower?): stop "

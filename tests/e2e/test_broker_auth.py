@@ -17,7 +17,7 @@ import redis
 
 from tests.e2e.conftest import cli_env, leasekeeper
 from tests.e2e.test_cli_errors import short_error
-from tests.services import RedisServer, start_redis, stop_process
+from tests.services import RedisServer, free_port, start_redis, stop_process
 from tests.stack import REPO
 
 pytestmark = pytest.mark.timeout(180)
@@ -78,3 +78,18 @@ def test_a_worker_with_a_refused_password_exits_saying_so(guarded_redis: RedisSe
         assert "LEASEKEEPER_BROKER_URL" in text and PASSWORD not in text
     finally:
         stop_process(worker)
+
+
+@pytest.mark.parametrize("password", ["missing", "wrong"])
+def test_flower_with_a_refused_password_exits_saying_so(guarded_redis: RedisServer,
+                                                        tmp_path: Path, password: str) -> None:
+    # given Flower's own command and a broker URL whose password Redis refuses; before, it
+    # served a dashboard that showed no worker and no task for ever
+    env = cli_env(LEASEKEEPER_BROKER_URL=urls(guarded_redis)[password],
+                  LEASEKEEPER_VAR_DIR=str(tmp_path),
+                  LEASEKEEPER_FLOWER_BASIC_AUTH="ops:flower-pw-1", LEASEKEEPER_FLOWER_PORT="0")
+    # when it starts; then it exits 2 at once, naming the setting, never the password
+    done = leasekeeper("flower", "--port", str(free_port()), env=env, timeout_s=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    err = short_error(done, "authentication failed", "LEASEKEEPER_BROKER_URL")
+    assert PASSWORD not in err and "flower-pw-1" not in done.stdout + done.stderr
