@@ -214,6 +214,7 @@ def leases_destroy(
         if not state:
             raise typer.BadParameter("give a lease id, or --state (and other filters) with "
                                      "--yes", param_hint="--state")
+        _refuse_ended_states(state)
         page = lease_page(rt.store, _filter(state, provider, tenant, older_than), limit)
         targets = page.rows
         beyond = _beyond_limit(page)
@@ -284,6 +285,20 @@ def leases_destroy(
                    f"(at most {MAX_LIMIT})")
     raise typer.Exit(ExitCode.NEEDS_ATTENTION if failed or queued or running or beyond
                      else ExitCode.OK)
+
+
+def _refuse_ended_states(states: list[str]) -> None:
+    """A destroy never moves a lease on from a final state: a filter on one would answer
+    already_ended for the same leases at every run of the command."""
+    if LeaseState.DESTROYED in states:
+        raise typer.BadParameter("--state destroyed matches leases already destroyed: nothing "
+                                 "is left to destroy", param_hint="--state")
+    if LeaseState.ABANDONED in states:
+        raise typer.BadParameter(
+            "--state abandoned matches leases whose cleanup gave up, which a destroy does not "
+            "try again: `leasekeeper leases retry <id>` gives one fresh cleanup attempts, or "
+            "`leasekeeper leases forget <id>` once it was removed by hand (`leasekeeper leases "
+            "list --state abandoned` lists them)", param_hint="--state")
 
 
 def _beyond_limit(page: Page[Lease]) -> int:

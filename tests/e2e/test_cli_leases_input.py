@@ -342,3 +342,21 @@ def test_destroying_an_abandoned_lease_names_retry_and_forget(
             assert store.get_lease(lease_id).state == LeaseState.ABANDONED
         finally:
             store.dispose()
+
+
+@pytest.mark.parametrize(("ended", "says"), [
+    (LeaseState.DESTROYED, "already destroyed: nothing is left to destroy"),
+    (LeaseState.ABANDONED, "`leasekeeper leases retry <id>`"),
+])
+def test_destroy_by_a_state_destroy_never_leaves_is_refused(
+        store: Store, env: dict[str, str], ended: str, says: str) -> None:
+    # Before: each matching lease answered already_ended, and past --limit the command said
+    # "run the same command again for the next ones" (exit 1): the same leases, for ever.
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    ids = [add(store, ended, tenant) for _ in range(3)]
+    for extra in ([], ["--state", "active"]):
+        done = leasekeeper("leases", "destroy", "--state", ended, *extra, "--tenant", tenant,
+                           "--yes", "--limit", "2", env=env)
+        refused(done, "--state", f"--state {ended} matches leases", says)
+        assert "run the same command again" not in done.stderr
+    assert [store.get_lease(i).state for i in ids] == [ended] * 3
