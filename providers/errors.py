@@ -237,8 +237,8 @@ class AcquireCleanupIncomplete(ProviderError):
     def of(cls, lease_id: str, cause: BaseException, cleanup: BaseException) -> Self:
         return cls(
             f"acquisition of lease {lease_id} failed and cleanup was incomplete: "
-            f"acquire: {cause}; cleanup: {cause_of(cleanup)}. The lease is pending_cleanup and "
-            "sweep.retry_cleanup will destroy what is left"
+            f"acquire: {cause_of(cause)}; cleanup: {cause_of(cleanup)}. The lease is "
+            "pending_cleanup and sweep.retry_cleanup will destroy what is left"
         )
 
 
@@ -266,7 +266,9 @@ def unknown_backend(provider: str, backend: str, has: str) -> TerminalProviderEr
 
 def cause_of(exc: BaseException) -> str:
     """What went wrong, without what a retry would do about it (the caller says that)."""
-    return exc.what_failed if isinstance(exc, DestroyIncomplete) else str(exc)
+    if isinstance(exc, DestroyIncomplete):
+        return exc.what_failed
+    return exc.without_retry_note() if isinstance(exc, ProviderError) else str(exc)
 
 
 def abandoned_advice(lease_id: str) -> str:

@@ -55,6 +55,7 @@ from providers.errors import (
     ProviderMismatch,
     TerminalProviderError,
     TransientProviderError,
+    cause_of,
     is_transient,
     provider_bug,
 )
@@ -420,10 +421,11 @@ def _cleanup_failed(rt: Runtime, lease_id: str, cause: ProviderError,
     """Destroy whatever a failed acquire left; record pending_cleanup if that fails too.
     A lease another copy of the same acquire activated meanwhile is the run's sandbox,
     not this attempt's leftovers: it is left alone (TWIN_WON)."""
+    what = cause_of(cause)  # recorded: no promise of a retry, the acquire has stopped
     marked = rt.store.transition(
         lease_id, {LeaseState.PROVISIONING}, LeaseState.PENDING_CLEANUP,
-        f"acquire failed: {cause}", task_id, end_reason="acquire_failed",
-        last_error=str(cause), next_cleanup_at=utcnow())
+        f"acquire failed: {what}", task_id, end_reason="acquire_failed",
+        last_error=what, next_cleanup_at=utcnow())
     lease = rt.store.get_lease(lease_id)
     if marked is None and lease.run_id is not None and _twin_won(lease, lease.run_id):
         log.info("lease %s: this acquire copy failed (%s), another one activated it",
@@ -431,7 +433,7 @@ def _cleanup_failed(rt: Runtime, lease_id: str, cause: ProviderError,
         return Cleanup.TWIN_WON
     if lease.run_id:
         rt.store.finish_run(lease.run_id, RunStatus.FAILED, None,
-                            clean_error(f"acquire failed: {cause}"),
+                            clean_error(f"acquire failed: {what}"),
                             reclaim_due=False, claim_until=None)
     done = destroy_lease(rt, lease_id, "acquire failed", task_id)
     if done.error is not None:

@@ -20,6 +20,7 @@ from typing import Any
 from models.schema import FINAL_STATES, LIVE_STATES, LeaseState
 from providers.errors import (
     CleanupAbandoned,
+    DestroyIncomplete,
     InvalidRequest,
     ProviderError,
     abandoned_advice,
@@ -136,10 +137,12 @@ def _record_failure(
         return Destroyed(lease_id, DestroyResult.ABANDONED, LeaseState.ABANDONED,
                          CleanupAbandoned.of(lease_id, attempts, cause))
     delay_s = 0.0 if is_transient(exc) and attempts == 1 else cleanup_delay_s(rt, attempts)
+    # The sweep retries a destroy, not the task: a provider's "the task retries" is cut.
+    what = str(exc) if isinstance(exc, DestroyIncomplete) else cause_of(exc)
     rt.store.transition(
         lease_id, {LeaseState.DESTROYING}, LeaseState.PENDING_CLEANUP,
-        f"destroy attempt {attempts} failed, next in {delay_s:.0f}s: {exc}", task_id,
-        cleanup_attempts=attempts, last_error=str(exc), next_cleanup_at=later(delay_s),
+        f"destroy attempt {attempts} failed, next in {delay_s:.0f}s: {what}", task_id,
+        cleanup_attempts=attempts, last_error=what, next_cleanup_at=later(delay_s),
     )
     log.warning("lease %s destroy attempt %d failed: %s", lease_id, attempts, exc)
     return Destroyed(lease_id, DestroyResult.CLEANUP_PENDING, LeaseState.PENDING_CLEANUP, exc)

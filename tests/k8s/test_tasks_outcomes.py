@@ -49,6 +49,8 @@ def test_reclaim_destroy_failed_keeps_the_lease_for_the_retry_sweep(kube_stack: 
     lease = ks.lease(lease_id)
     assert lease.state == LeaseState.PENDING_CLEANUP and lease.cleanup_attempts == 1
     assert lease.last_error is not None and "HTTP 500" in lease.last_error
+    # and what is recorded promises no retry of the task (sweep.retry_cleanup does that)
+    assert "the task retries" not in lease.last_error, lease.last_error
     assert ks.env.read("sandbox", name) is not None
     checked = producer.check_resumable(lease_id).get(60)
     assert checked["resumable"] is False and checked["reason"] == "lease is pending_cleanup"
@@ -208,6 +210,29 @@ def test_a_closed_api_server_port_is_named_as_refused_and_the_final_error_says_s
 
 
 # -- a Job killed by its active deadline ------------------------------------------------------
+
+def test_an_acquire_that_gave_up_records_no_promise_of_a_retry(kube_stack: KubeStack) -> None:
+    # given an API server that answers 500 to every Sandbox create
+    ks = kube_stack
+    run_id = rid()
+    ks.proxy.fail("POST", r"/sandboxes$", 500, times=None)
+    # when acquiring; then the task fails after its retries, saying it gave up
+    with pytest.raises(TransientProviderError) as info:
+        producer.acquire_lease(run_id, {"tenant": "acme"}).get(90)
+    assert "the task gave up after 2 retries" in str(info.value), str(info.value)
+    ks.proxy.clear_rules()
+    # and the run's error, the lease's last error and its history say the same: none of
+    # them promises a retry that will never come
+    run = ks.run(run_id)
+    assert run.status == RunStatus.FAILED and run.error is not None and run.lease_id
+    assert "HTTP 500" in run.error and "the task retries" not in run.error, run.error
+    lease = ks.lease(run.lease_id)
+    assert lease.last_error is not None and "HTTP 500" in lease.last_error
+    assert "the task retries" not in lease.last_error, lease.last_error
+    for event in ks.store.events(run.lease_id):
+        assert "the task retries" not in event.reason, event.reason
+    assert ended(ks, run.lease_id) == LeaseState.DESTROYED
+
 
 def test_a_job_killed_by_its_deadline_finishes_its_run_failed_without_exit_code(
         kube_stack: KubeStack) -> None:
