@@ -397,8 +397,8 @@ def _what_stays_running() -> None:
         say(f"{len(warm)} warm pool member(s) of pool(s) {pools} "
             f"({', '.join(lease.lease_id for lease in warm)}): to end them, start "
             f"`{command} up` again and run `{command} leases destroy --state warm --yes` "
-            "(a pool still declared in LEASEKEEPER_POOLS fills again; start `up` without "
-            "it, and sweep.fill_pools drains its members itself)")
+            "(a pool still declared in LEASEKEEPER_POOLS or LEASEKEEPER_POOLS_FILE fills again; "
+            "start `up` without it, and sweep.fill_pools drains its members itself)")
     kept = len(live) - ending - len(warm)
     if kept or not live:
         held = f"{kept} live lease(s) kept so their runs can resume; " if live else ""

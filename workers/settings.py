@@ -19,7 +19,13 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+)
 
 from providers.errors import ConfigError
 from providers.spec import MAX_DURATION_S
@@ -48,9 +54,44 @@ def provider_not_enabled(name: str, enabled: Sequence[str], where: str, enable: 
             f"{', '.join(enabled)}): {enable}")
 log = logging.getLogger("leasekeeper.settings")
 
+# Settings that say one thing two ways: one of them set in the environment wins over the
+# env file's declaration of it either way (the file's other one is not read), as any
+# variable set in the environment wins over the file.
+ALTERNATIVES = (("pools", "pools_file"),)
+
+
+class _EnvFileUnderTheEnvironment(PydanticBaseSettingsSource):
+    """The env file `up` wrote, less what the environment declares another way."""
+
+    def __init__(self, settings_cls: type[BaseSettings],
+                 env_file: PydanticBaseSettingsSource) -> None:
+        super().__init__(settings_cls)
+        self._env_file = env_file
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # __call__ reads the file through its own source
+
+    def __call__(self) -> dict[str, Any]:
+        values = dict(self._env_file())
+        environ = {name.upper() for name in os.environ}
+        for group in ALTERNATIVES:
+            if any(f"{ENV_PREFIX}{name.upper()}" in environ for name in group):
+                for name in group:
+                    values.pop(name, None)
+        return values
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    @classmethod
+    def settings_customise_sources(
+        cls, settings_cls: type[BaseSettings], init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource, dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings,
+                _EnvFileUnderTheEnvironment(settings_cls, dotenv_settings), file_secret_settings)
 
     # Services. broker_url unset means "embedded": `leasekeeper up` starts a Redis itself.
     broker_url: str | None = None

@@ -6,6 +6,7 @@ line naming what is wrong and the fix, the documented exit code, never a traceba
 
 from __future__ import annotations
 
+import json
 import socket
 import sqlite3
 import subprocess
@@ -200,3 +201,30 @@ def test_a_wrong_database_or_user_on_a_live_server_is_a_setting_to_fix(
             assert done.returncode == 2, (command, done.stderr)
             err = short_error(done, says, "does not exist", "fix the URL")
             assert "secret-pw" not in err
+
+
+@pytest.mark.parametrize("mine", ["LEASEKEEPER_POOLS", "LEASEKEEPER_POOLS_FILE"])
+def test_pools_set_in_the_environment_win_over_up_s_env_file_either_way(
+        tmp_path: Path, mine: str) -> None:
+    # given an `up` started with one way of declaring pools (its env file says so), and a
+    # client shell declaring its own pools the other way. Before: every command refused
+    # "LEASEKEEPER_POOLS and LEASEKEEPER_POOLS_FILE are both set", naming a variable the
+    # user never set, where the README says a variable set in the environment wins.
+    up_pools, own_pools = tmp_path / "up-pools.toml", tmp_path / "own-pools.toml"
+    up_pools.write_text('[[pools]]\nname = "up"\nprovider = "local"\nsize = 1\n')
+    own_pools.write_text('[[pools]]\nname = "mine"\nprovider = "local"\nsize = 1\n')
+    env = migrated(tmp_path)
+    up_decl = json.dumps([{"name": "up", "provider": "local", "size": 1}])
+    up_said = (f"export LEASEKEEPER_POOLS='{up_decl}'" if mine == "LEASEKEEPER_POOLS_FILE"
+               else f"export LEASEKEEPER_POOLS_FILE={up_pools}")
+    (tmp_path / "env").write_text(up_said + "\n")
+    own = (json.dumps([{"name": "mine", "provider": "local", "size": 1}])
+           if mine == "LEASEKEEPER_POOLS" else str(own_pools))
+    # when a command runs there; then it judges by the pools of its own environment
+    done = leasekeeper("pools", "--json", env={**env, mine: own})
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [p["pool"] for p in json.loads(done.stdout)["pools"]] == ["mine"], done.stdout
+    # and without a declaration of its own, by up's
+    done = leasekeeper("pools", "--json", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert [p["pool"] for p in json.loads(done.stdout)["pools"]] == ["up"], done.stdout
