@@ -629,9 +629,7 @@ class Store:
             raise InvalidRequest(f"run status {status!r} is not a finishing status")
         with self.tx() as s:
             if s.get(Run, run_id) is None:
-                raise RunNotRecorded(
-                    f"no run {run_id!r} yet; acquire a lease for it first (a finish sent "
-                    "right behind its lease.acquire is retried until the run is recorded)")
+                raise RunNotRecorded.of(run_id, "finish")
             values: dict[str, Any] = {"status": status, "exit_code": exit_code, "error": error}
             if status in TERMINAL_RUN_STATUSES:
                 values |= {"finished_at": utcnow(), "reclaim_due": reclaim_due,
@@ -654,9 +652,7 @@ class Store:
     def set_detached(self, run_id: str, detached: bool) -> RunChange:
         with self.tx() as s:
             if s.get(Run, run_id) is None:
-                raise RunNotRecorded(
-                    f"no run {run_id!r} yet; acquire a lease for it first (a call sent "
-                    "right behind its lease.acquire is retried until the run is recorded)")
+                raise RunNotRecorded.of(run_id, "detach or attach")
             # Only a real change writes: a repeated detach keeps the first detached_since
             # (a redelivery never postpones the reap), an attach of an attached run is a no-op.
             state = Run.detached_since.is_(None) if detached else Run.detached_since.isnot(None)

@@ -71,10 +71,34 @@ class NotFound(LeasekeeperError):
     """The store has no row for the id given."""
 
 
-class RunNotRecorded(NotFound):
+class RetryNoted(LeasekeeperError):
+    """An error whose message ends with ``retry_note``: what the task that met it does
+    about it. Readers that run no task leave the note out; a task whose retries ran out says
+    it gave up instead."""
+
+    def __init__(self, message: str, retry_note: str = "") -> None:
+        super().__init__(message + retry_note)
+        self.retry_note = retry_note
+
+    def outside_a_task(self) -> str:
+        return str(self).removesuffix(self.retry_note)
+
+    def given_up(self, retries: int) -> Self:
+        if not self.retry_note:
+            return self
+        return type(self)(self.outside_a_task(), gave_up(retries))
+
+
+class RunNotRecorded(RetryNoted, NotFound):
     """A run's finish, detach or attach came before the acquire that records the run (a
     backend sends them right behind each other; the lanes may run them in either order).
     Transient: the retry lands once the acquire has written the run."""
+
+    @classmethod
+    def of(cls, run_id: str, call: str) -> Self:
+        return cls(f"no run {run_id!r} yet; acquire a lease for it first",
+                   f" (a {call} sent right behind its lease.acquire is retried until the run "
+                   "is recorded)")
 
 
 # How a transient provider error's message says what its task does about it. A task whose
@@ -92,23 +116,9 @@ class StoreError(LeasekeeperError):
     """The lease store failed."""
 
 
-class StoreUnavailable(StoreError):
+class StoreUnavailable(RetryNoted, StoreError):
     """The database is unreachable, restarting or locked; retrying later may succeed.
     ``retry_note`` ends the message: what the task that met it does about it."""
-
-    def __init__(self, message: str, retry_note: str = "") -> None:
-        super().__init__(message + retry_note)
-        self.retry_note = retry_note
-
-    def outside_a_task(self) -> str:
-        return str(self).removesuffix(self.retry_note)
-
-    def given_up(self, retries: int) -> StoreUnavailable:
-        """The same error from a task whose retries ran out: it says so, not that it will
-        retry."""
-        if not self.retry_note:
-            return self
-        return type(self)(self.outside_a_task(), gave_up(retries))
 
 
 # Refused writes. Whether they are retried is decided here, by the class:

@@ -39,6 +39,23 @@ def test_a_transient_failure_is_retried_as_often_as_the_setting_says(
     log = retry_stack.logfile.read_text(errors="replace")
     retries = re.findall(rf"run\.finish\[{sent.id}\] transient failure, retry (\d+) in", log)
     assert retries == [str(n) for n in range(1, RETRIES + 1)], log[-3000:]
+    # and its final error says it gave up, not that it is retried until the run is recorded
+    text = str(caught.value)
+    assert "is retried until" not in text, text
+    assert text == (f"no run {run_id!r} yet; acquire a lease for it first; the task gave up "
+                    f"after {RETRIES} retries (LEASEKEEPER_TASK_MAX_RETRIES)"), text
+
+
+def test_a_detach_for_a_run_never_recorded_says_it_gave_up(retry_stack: WorkerStack) -> None:
+    # Before: "... (a call sent right behind its lease.acquire is retried until the run is
+    # recorded)" as the final error: a web backend showed a request as still retried.
+    run_id = f"never-{uuid.uuid4().hex[:12]}"
+    with pytest.raises(Exception, match="no run") as caught:
+        producer.detach_run(run_id).get(120)
+    assert type(caught.value).__name__ == "RunNotRecorded"
+    text = str(caught.value)
+    assert "is retried until" not in text and text.endswith(
+        f"; the task gave up after {RETRIES} retries (LEASEKEEPER_TASK_MAX_RETRIES)"), text
 
 
 @pytest.mark.postgres
