@@ -37,6 +37,7 @@ from tasks.redaction import scrub_text
 from tasks.text import storable
 from workers.app import app
 from workers.runtime import Runtime
+from workers.settings import CLEANUP_BACKOFF_MAX_S
 
 log = logging.getLogger("leasekeeper.destroy")
 DESTROYABLE = LIVE_STATES | {LeaseState.PENDING_CLEANUP}
@@ -84,7 +85,8 @@ class Destroyed:
 
 def cleanup_delay_s(rt: Runtime, attempts: int) -> float:
     """Backoff before cleanup attempt ``attempts + 1``: doubling, capped at an hour."""
-    return float(min(rt.settings.cleanup_backoff_s * 2 ** max(attempts - 1, 0), 3600.0))
+    return float(min(rt.settings.cleanup_backoff_s * 2 ** max(attempts - 1, 0),
+                     CLEANUP_BACKOFF_MAX_S))
 
 
 def destroy_lease(rt: Runtime, lease_id: str, reason: str, task_id: str | None,

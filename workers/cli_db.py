@@ -8,7 +8,8 @@ from typing import Annotated
 
 import typer
 
-from workers.cli_common import ExitCode
+from workers.cli_common import ExitCode, emit_json
+from workers.cli_leases import JsonOpt
 from workers.settings import get_settings
 
 db_cli = typer.Typer(no_args_is_help=True, help="The lease store's schema.")
@@ -30,7 +31,7 @@ def db_upgrade(revision: str = "head") -> None:
 
 
 @db_cli.command("current")
-def db_current() -> None:
+def db_current(as_json: JsonOpt = False) -> None:
     """The store's migration against this leasekeeper's latest. Exit 0 when they match, 1
     when the store needs `leasekeeper db upgrade` or a newer leasekeeper migrated it."""
     from workers.db_revisions import SchemaPosition, schema_position
@@ -41,7 +42,13 @@ def db_current() -> None:
     where = schema_position(url)
     path = sqlite_store_file(url)
     absent = f"there is no store at {path}, " if path is not None and not path.is_file() else ""
-    typer.echo(f"store {shown(url)}: {absent}{where.describe()}")
+    if as_json:
+        emit_json({"store": shown(url), "exists": not absent,
+                   "position": where.position.value, "current": list(where.current),
+                   "latest": list(where.heads), "pending": list(where.pending),
+                   "message": f"{absent}{where.describe()}"})
+    else:
+        typer.echo(f"store {shown(url)}: {absent}{where.describe()}")
     raise typer.Exit(ExitCode.OK if where.position == SchemaPosition.AT_HEAD
                      else ExitCode.NEEDS_ATTENTION)
 

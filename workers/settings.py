@@ -30,6 +30,7 @@ from pydantic_settings import (
 from providers.errors import ConfigError
 from providers.spec import MAX_DURATION_S
 from workers.pool_settings import PoolDeclaration, read_pools
+from workers.setting_words import number, problem
 
 ENV_PREFIX = "LEASEKEEPER_"
 DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
@@ -41,6 +42,12 @@ BROKER_SCHEMES = ("redis", "rediss", "unix")
 PROVIDER_NAMES = ("local", "kubernetes", "noop", "faulty")
 # What messages offer: faulty (fault injection) is for leasekeeper's own tests
 OFFERED_PROVIDERS = ", ".join(p for p in PROVIDER_NAMES if p != "faulty")
+# sweep.retry_cleanup's backoff doubles from LEASEKEEPER_CLEANUP_BACKOFF_S up to this
+CLEANUP_BACKOFF_MAX_S = 3600.0
+# (a base, the max it is capped at): each backoff is min(base * 2**n, max), so a base above
+# its max would never be used
+_BACKOFF_PAIRS = (("pool_breaker_backoff_s", "pool_breaker_backoff_max_s"),
+                  ("retry_backoff_base_s", "retry_backoff_max_s"))
 
 
 def provider_not_enabled(name: str, enabled: Sequence[str], where: str, enable: str) -> str:
@@ -185,7 +192,7 @@ class Settings(BaseSettings):
     sweep_batch_size: int = Field(default=25, gt=0, le=1000)
     cleanup_batch_size: int = Field(default=20, gt=0, le=1000)
     orphan_batch_size: int = Field(default=25, gt=0, le=1000)
-    cleanup_backoff_s: float = Field(default=300.0, ge=0)
+    cleanup_backoff_s: float = Field(default=300.0, ge=0, le=CLEANUP_BACKOFF_MAX_S)
     cleanup_max_attempts: int = Field(default=5, gt=0)
     claim_timeout_s: float = Field(default=300.0, gt=0)
     # A provider resource with no live lease is destroyed only once it is this old.
@@ -338,6 +345,17 @@ class Settings(BaseSettings):
                 "need LEASEKEEPER_TASK_SOFT_TIME_LIMIT_S < LEASEKEEPER_TASK_TIME_LIMIT_S < "
                 "LEASEKEEPER_VISIBILITY_TIMEOUT_S, or Redis redelivers tasks still running"
             )
+        backwards = []
+        for base, cap in _BACKOFF_PAIRS:
+            base_s, cap_s = getattr(self, base), getattr(self, cap)
+            if base_s > cap_s:
+                base_var, cap_var = f"{ENV_PREFIX}{base.upper()}", f"{ENV_PREFIX}{cap.upper()}"
+                backwards.append(
+                    f"{base_var}={number(base_s)} is above {cap_var}={number(cap_s)}: the "
+                    f"backoff never exceeds {cap_var}, so {number(base_s)} s would never be "
+                    f"used; lower {base_var} or raise {cap_var}")
+        if backwards:
+            raise ValueError("; ".join(backwards))
         return self
 
     @property
@@ -399,7 +417,8 @@ def load_settings(read_env_file: bool = True) -> Settings:
         problems = []
         for err in exc.errors():
             field = "_".join(str(p) for p in err["loc"]) if err["loc"] else ""
-            message = err["msg"].removeprefix("Value error, ")
+            message = (problem(field, err) if field else None) or err["msg"].removeprefix(
+                "Value error, ")
             # A message about the whole settings names its variables itself.
             problems.append(f"{ENV_PREFIX}{field.upper()}: {message}" if field else message)
         raise ConfigError("invalid settings: " + "; ".join(problems)) from None

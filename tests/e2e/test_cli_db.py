@@ -6,6 +6,7 @@ above the target and one a newer leasekeeper migrated are refused in one line, e
 
 from __future__ import annotations
 
+import json
 import subprocess
 from pathlib import Path
 
@@ -84,6 +85,31 @@ def test_down_to_base_leaves_an_empty_store_that_upgrades_again(store_url: str) 
     short_error(db(store_url, "downgrade", "base", "--yes"), "never migrated")
     assert db(store_url, "upgrade").returncode == 0
     assert db(store_url, "current").returncode == 0
+
+
+def test_current_json_says_where_the_store_stands_with_the_same_exit_code(
+        store_url: str, tmp_path: Path) -> None:
+    # Before: "No such option: --json" (exit 2), though the README says every read command
+    # takes --json.
+    (head,) = migration_heads()
+    at_head = db(store_url, "current", "--json")
+    assert at_head.returncode == 0, at_head.stderr
+    said = json.loads(at_head.stdout)
+    assert said["position"] == "at_head" and said["current"] == [head], said
+    assert said["latest"] == [head] and said["pending"] == [] and said["exists"] is True
+    assert "up to date" in said["message"]
+    assert db(store_url, "downgrade", "0009", "--yes").returncode == 0
+    behind = db(store_url, "current", "--json")
+    assert behind.returncode == 1, behind.stderr
+    said = json.loads(behind.stdout)
+    assert said["position"] == "behind" and said["current"] == ["0009_runs12"], said
+    assert said["pending"][0] == "0010_perf12" and said["pending"][-1] == head, said
+    path = tmp_path / "absent.db"
+    never = db(f"sqlite:///{path}", "current", "--json")
+    assert never.returncode == 1, never.stderr
+    said = json.loads(never.stdout)
+    assert said["position"] == "never_migrated" and said["exists"] is False, said
+    assert not path.exists()
 
 
 @pytest.mark.parametrize(("revision", "says"), [

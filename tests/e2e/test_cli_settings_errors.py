@@ -1,0 +1,72 @@
+"""Settings an operator got wrong, each refused by a real `leasekeeper` process at start:
+exit 2, one "invalid settings: ..." line naming the variable, what was wrong in the unit the
+variable is in, and what to do.
+
+(Each case was first seen by a QA pass: a pair in the wrong order accepted silently, its
+base ignored; a value in the wrong unit answered with pydantic's words and no unit.)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import cli_env, leasekeeper
+from tests.e2e.test_cli_errors import short_error
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def refused(tmp_path: Path, **settings: str) -> str:
+    done = leasekeeper("pools", env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path), **settings))
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    return short_error(done, "invalid settings: ")
+
+
+@pytest.mark.parametrize(("base", "cap"), [
+    ("LEASEKEEPER_POOL_BREAKER_BACKOFF_S", "LEASEKEEPER_POOL_BREAKER_BACKOFF_MAX_S"),
+    ("LEASEKEEPER_RETRY_BACKOFF_BASE_S", "LEASEKEEPER_RETRY_BACKOFF_MAX_S"),
+])
+def test_a_backoff_above_its_max_is_refused_naming_both(tmp_path: Path, base: str,
+                                                        cap: str) -> None:
+    # Before: exit 0, no word; the backoff is min(base * 2**n, max), so 600 was never used.
+    err = refused(tmp_path, **{base: "600", cap: "10"})
+    assert f"{base}=600" in err and f"{cap}=10" in err, err
+    assert "raise" in err and "lower" in err, err
+
+
+def test_the_cleanup_backoff_above_its_fixed_cap_is_refused(tmp_path: Path) -> None:
+    # Before: accepted; sweep.retry_cleanup caps every backoff at 1 h, so 7200 was ignored.
+    err = refused(tmp_path, LEASEKEEPER_CLEANUP_BACKOFF_S="7200")
+    assert "LEASEKEEPER_CLEANUP_BACKOFF_S" in err and "at most 3600 seconds (1 hour)" in err
+    assert "got 7200" in err, err
+
+
+def test_a_backoff_equal_to_its_max_is_accepted(tmp_path: Path) -> None:
+    done = leasekeeper("pools", env=cli_env(
+        LEASEKEEPER_VAR_DIR=str(tmp_path), LEASEKEEPER_RETRY_BACKOFF_BASE_S="10",
+        LEASEKEEPER_RETRY_BACKOFF_MAX_S="10"))
+    assert "invalid settings" not in done.stderr, done.stderr
+
+
+@pytest.mark.parametrize(("var", "value", "needles"), [
+    # Before: "Input should be a valid integer, unable to parse string as an integer"
+    ("LEASEKEEPER_LEASE_TTL_S", "1h", ["a whole number of seconds, got '1h'"]),
+    # Before: "Input should be a valid integer, got a number with a fractional part"
+    ("LEASEKEEPER_RUN_DETACH_TTL_S", "1.5", ["a whole number of seconds, got '1.5'"]),
+    ("LEASEKEEPER_ACQUIRE_TIMEOUT_S", "2m", ["a number of seconds, got '2m'"]),
+    ("LEASEKEEPER_MAX_PAYLOAD_BYTES", "1MiB", ["a whole number of bytes, got '1MiB'"]),
+    # Before: "Input should be less than or equal to 31622400" (the README: 366 days)
+    ("LEASEKEEPER_LEASE_TTL_S", "40000000",
+     ["at most 31622400 seconds (366 days), got 40000000"]),
+    ("LEASEKEEPER_MAX_PAYLOAD_BYTES", "100", ["at least 1024 bytes (1 KiB), got 100"]),
+    ("LEASEKEEPER_ACQUIRE_TIMEOUT_S", "0", ["more than 0 seconds, got 0"]),
+])
+def test_a_value_in_the_wrong_unit_says_the_unit(tmp_path: Path, var: str, value: str,
+                                                 needles: list[str]) -> None:
+    err = refused(tmp_path, **{var: value})
+    assert f"{var}: " in err, err
+    for needle in needles:
+        assert needle in err, err
+    assert "Input should be" not in err, err
