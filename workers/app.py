@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from pathlib import Path
 from typing import Any
 
 from celery import Celery
@@ -26,6 +27,7 @@ from celery.signals import (
 )
 from kombu.utils.url import maybe_sanitize_url
 
+from providers.errors import ConfigError
 from workers.beat import beat_max_interval_s, beat_schedule
 from workers.queues import LaneRouter, task_queues
 from workers.settings import Settings, get_settings
@@ -101,7 +103,36 @@ def create_app(settings: Settings | None = None) -> Celery:
     return app
 
 
-app = create_app()
+def _started_by_celery() -> str | None:
+    """The celery command this process runs (``worker``, ``beat``...), if it is celery's."""
+    import sys
+
+    if Path(sys.argv[0]).name != "celery" and Path(sys.argv[0]).parent.name != "celery":
+        return None
+    return next((arg for arg in sys.argv[1:] if arg in CELERY_COMMANDS), "celery")
+
+
+CELERY_COMMANDS = ("worker", "beat", "flower", "events", "inspect", "control", "status",
+                   "purge", "call", "result", "shell", "multi")
+
+
+def _app_or_exit() -> Celery:
+    """The app; under celery's own command, a setting that is invalid ends the process in one
+    line (exit 2), as the preflight's refusals do, not in Celery's "Unable to load celery
+    application" traceback with the message on its last line."""
+    try:
+        return create_app()
+    except ConfigError as exc:
+        process = _started_by_celery()
+        if process is None:
+            raise  # an importer (a web backend, the CLI) gets the error itself
+        import sys
+
+        print(f"leasekeeper {process} not started: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+app = _app_or_exit()
 
 
 @after_setup_logger.connect

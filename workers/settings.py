@@ -89,7 +89,10 @@ class _EnvFileUnderTheEnvironment(PydanticBaseSettingsSource):
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+    # A duration is finite and at most a year (and a day): "inf" or 1e15 seconds overflows
+    # Celery's schedules and countdowns (beat died on an OverflowError naming no variable).
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True,
+                                      allow_inf_nan=False)
 
     @classmethod
     def settings_customise_sources(
@@ -134,7 +137,7 @@ class Settings(BaseSettings):
     # worker of the installation. Unset: derived from installation_id (no secret).
     secret_marks_key: SecretStr | None = None
     local_root_dir: Path | None = None
-    local_destroy_grace_s: float = Field(default=5.0, gt=0)
+    local_destroy_grace_s: float = Field(default=5.0, gt=0, le=MAX_DURATION_S)
     faults_file: Path | None = None  # the `faulty` provider's fault plan (tests only)
 
     # Kubernetes provider (providers/kubernetes). No kube_config_path: in-cluster config,
@@ -149,9 +152,9 @@ class Settings(BaseSettings):
     kube_memory_request: str = "512Mi"
     kube_cpu_limit: str = "2"
     kube_memory_limit: str = "4Gi"
-    kube_job_active_deadline_s: int = Field(default=3600, gt=0)
-    kube_job_ttl_after_finished_s: int = Field(default=900, ge=0)
-    kube_request_timeout_s: float = Field(default=10.0, gt=0)
+    kube_job_active_deadline_s: int = Field(default=3600, gt=0, le=MAX_DURATION_S)
+    kube_job_ttl_after_finished_s: int = Field(default=900, ge=0, le=MAX_DURATION_S)
+    kube_request_timeout_s: float = Field(default=10.0, gt=0, le=MAX_DURATION_S)
     # A Job's acquire waits this long at most for the Job controller's word on its pod
     # (made, or refused by a quota, a LimitRange, a webhook): an Event on the Job.
     # 0: not checked at acquire (the resume check still reads it)
@@ -159,59 +162,59 @@ class Settings(BaseSettings):
     # A workload still terminating (deletionTimestamp set) this long after its deletion
     # began is stuck (a slow or stuck garbage collector): sweep.orphans reports it and
     # destroys it again, which deletes its pods explicitly.
-    kube_terminating_limit_s: float = Field(default=600.0, ge=0)
+    kube_terminating_limit_s: float = Field(default=600.0, ge=0, le=MAX_DURATION_S)
 
     # Warm pools (workers/pool_settings.py): LEASEKEEPER_POOLS (JSON) or
     # LEASEKEEPER_POOLS_FILE (JSON or TOML), read and validated with the other settings.
     pools: Annotated[tuple[PoolDeclaration, ...], NoDecode] = ()
     pools_file: Path | None = None
-    fill_pools_interval_s: float = Field(default=15.0, gt=0)
+    fill_pools_interval_s: float = Field(default=15.0, gt=0, le=MAX_DURATION_S)
     # A claim tries at most this many members (each found not resumable is destroyed)
     # before the acquire starts a sandbox cold.
     pool_claim_attempts: int = Field(default=3, gt=0, le=20)
     # After this many consecutive failed member creates a pool stops creating for
     # pool_breaker_backoff_s, doubling after each further failure up to the max.
     pool_breaker_threshold: int = Field(default=3, gt=0)
-    pool_breaker_backoff_s: float = Field(default=30.0, gt=0)
-    pool_breaker_backoff_max_s: float = Field(default=900.0, gt=0)
+    pool_breaker_backoff_s: float = Field(default=30.0, gt=0, le=MAX_DURATION_S)
+    pool_breaker_backoff_max_s: float = Field(default=900.0, gt=0, le=MAX_DURATION_S)
 
     # Lease lifetimes.
     lease_ttl_s: int = Field(default=3600, gt=0, le=MAX_DURATION_S)
     lease_idle_timeout_s: int = Field(default=900, gt=0, le=MAX_DURATION_S)
-    acquire_timeout_s: float = Field(default=120.0, gt=0)
-    resume_timeout_s: float = Field(default=30.0, gt=0)
-    run_detach_ttl_s: int = Field(default=1800, ge=0)
+    acquire_timeout_s: float = Field(default=120.0, gt=0, le=MAX_DURATION_S)
+    resume_timeout_s: float = Field(default=30.0, gt=0, le=MAX_DURATION_S)
+    run_detach_ttl_s: int = Field(default=1800, ge=0, le=MAX_DURATION_S)
 
     # Sweeps (beat intervals and bounded batches).
-    reap_runs_interval_s: float = Field(default=60.0, gt=0)
-    expire_leases_interval_s: float = Field(default=60.0, gt=0)
-    retry_cleanup_interval_s: float = Field(default=60.0, gt=0)
-    finish_exited_interval_s: float = Field(default=30.0, gt=0)
-    stuck_provisioning_interval_s: float = Field(default=60.0, gt=0)
-    orphans_interval_s: float = Field(default=300.0, gt=0)
+    reap_runs_interval_s: float = Field(default=60.0, gt=0, le=MAX_DURATION_S)
+    expire_leases_interval_s: float = Field(default=60.0, gt=0, le=MAX_DURATION_S)
+    retry_cleanup_interval_s: float = Field(default=60.0, gt=0, le=MAX_DURATION_S)
+    finish_exited_interval_s: float = Field(default=30.0, gt=0, le=MAX_DURATION_S)
+    stuck_provisioning_interval_s: float = Field(default=60.0, gt=0, le=MAX_DURATION_S)
+    orphans_interval_s: float = Field(default=300.0, gt=0, le=MAX_DURATION_S)
     sweep_batch_size: int = Field(default=25, gt=0, le=1000)
     cleanup_batch_size: int = Field(default=20, gt=0, le=1000)
     orphan_batch_size: int = Field(default=25, gt=0, le=1000)
     cleanup_backoff_s: float = Field(default=300.0, ge=0, le=CLEANUP_BACKOFF_MAX_S)
     cleanup_max_attempts: int = Field(default=5, gt=0)
-    claim_timeout_s: float = Field(default=300.0, gt=0)
+    claim_timeout_s: float = Field(default=300.0, gt=0, le=MAX_DURATION_S)
     # A provider resource with no live lease is destroyed only once it is this old.
-    orphan_grace_s: float = Field(default=600.0, gt=0)
+    orphan_grace_s: float = Field(default=600.0, gt=0, le=MAX_DURATION_S)
     # A sweep's single-flight lock in Redis expires after this, so a dead tick never
     # blocks the next one (row claims keep an overrunning tick safe).
-    sweep_lock_ttl_s: float = Field(default=300.0, gt=0)
+    sweep_lock_ttl_s: float = Field(default=300.0, gt=0, le=MAX_DURATION_S)
 
     # Task retry policy (exponential backoff with equal jitter, capped: tasks/base.py).
     task_max_retries: int = Field(default=5, ge=0)
-    retry_backoff_base_s: float = Field(default=2.0, gt=0)
-    retry_backoff_max_s: float = Field(default=300.0, gt=0)
-    task_soft_time_limit_s: float = Field(default=600.0, gt=0)
-    task_time_limit_s: float = Field(default=900.0, gt=0)
+    retry_backoff_base_s: float = Field(default=2.0, gt=0, le=MAX_DURATION_S)
+    retry_backoff_max_s: float = Field(default=300.0, gt=0, le=MAX_DURATION_S)
+    task_soft_time_limit_s: float = Field(default=600.0, gt=0, le=MAX_DURATION_S)
+    task_time_limit_s: float = Field(default=900.0, gt=0, le=MAX_DURATION_S)
     # Redis' visibility timeout: a message taken by a worker that then died (SIGKILL, lost
     # host) is handed to another worker only once this has passed since it was taken (the
     # README's "Delivery" has the measured worst case). Lower means faster recovery after a
     # crash but must stay above task_time_limit_s, or a task still running is delivered twice.
-    visibility_timeout_s: float = Field(default=3600.0, gt=0)
+    visibility_timeout_s: float = Field(default=3600.0, gt=0, le=MAX_DURATION_S)
     # A task message whose arguments are larger than this is refused (InvalidRequest)
     # before any lookup: tasks take ids and small specs.
     max_payload_bytes: int = Field(default=256 * 1024, ge=1024)

@@ -70,3 +70,38 @@ def test_a_value_in_the_wrong_unit_says_the_unit(tmp_path: Path, var: str, value
     for needle in needles:
         assert needle in err, err
     assert "Input should be" not in err, err
+
+
+@pytest.mark.parametrize(("process", "settings", "says"), [
+    ("beat", {"LEASEKEEPER_ORPHANS_INTERVAL_S": "inf"},
+     "LEASEKEEPER_ORPHANS_INTERVAL_S: must be a number of seconds, got 'inf'"),
+    ("beat", {"LEASEKEEPER_REAP_RUNS_INTERVAL_S": "1e15"},
+     "LEASEKEEPER_REAP_RUNS_INTERVAL_S: must be at most 31622400 seconds (366 days)"),
+    ("worker", {"LEASEKEEPER_LEASE_TTL_S": "abc"},
+     "LEASEKEEPER_LEASE_TTL_S: must be a whole number of seconds, got 'abc'"),
+    ("worker", {"LEASEKEEPER_TASK_TIME_LIMIT_S": "nan"},
+     "LEASEKEEPER_TASK_TIME_LIMIT_S: must be a number of seconds, got 'nan'"),
+])
+def test_celery_started_with_a_bad_setting_says_so_in_one_line(
+        tmp_path: Path, process: str, settings: dict[str, str], says: str) -> None:
+    # Before: `celery -A workers.app beat` with an infinite or huge interval passed the
+    # settings check and beat died on an OverflowError traceback naming no variable; and any
+    # invalid setting at a worker's or beat's start printed Celery's 38-line "Unable to load
+    # celery application" traceback, the message on its last line.
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "workers.app", process, "-s",
+         str(tmp_path / "schedule"), "--loglevel", "INFO"] if process == "beat" else
+        [sys.executable, "-m", "celery", "-A", "workers.app", process, "-c", "1",
+         "--without-gossip", "--without-mingle"],
+        env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path), **settings), cwd=tmp_path,
+        capture_output=True, text=True, timeout=90, check=False)
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said[-3000:]
+    assert "Traceback" not in said and "Unable to load" not in said, said[-3000:]
+    lines = [line for line in said.splitlines() if line.strip()]
+    assert len(lines) == 1, said[-3000:]
+    assert lines[0].startswith(f"leasekeeper {process} not started: invalid settings: "), lines
+    assert says in lines[0], lines[0]
