@@ -247,6 +247,14 @@ class SandboxSpec(BaseModel):
             raise ValueError("tenant must be 1-40 lowercase letters, digits or '-' (DNS-safe)")
         return value
 
+    @field_validator("command")
+    @classmethod
+    def _program(cls, value: list[str] | None) -> list[str] | None:
+        if value and not value[0]:
+            raise ValueError("command.0 is empty: the first argument names the program to run "
+                             "(a name on the worker's PATH, or an absolute path)")
+        return value
+
     @field_validator("pool")
     @classmethod
     def _pool(cls, value: str | None) -> str | None:

@@ -58,6 +58,15 @@ def _parameters(run: Callable[..., Any]) -> tuple[tuple[str, ...], frozenset[str
                                     if p.default is inspect.Parameter.empty)
 
 
+SMALL_PAYLOADS = "send ids and small specs"
+# What a sender does about a payload over the limit, where that is not "send less".
+OVER_THE_LIMIT = {
+    "run.finish": "the run is not finished: cut its error before sending, ending it in "
+                  "'... [N characters; the rest cut before sending]' (N: the whole error's "
+                  "length), as producer.finish_run does, and send it again",
+}
+
+
 def check_payload(name: str, run: Callable[..., Any], args: tuple[Any, ...],
                   kwargs: dict[str, Any], max_bytes: int) -> None:
     """Refuse a payload the task cannot take, before anything is looked up."""
@@ -70,7 +79,7 @@ def check_payload(name: str, run: Callable[..., Any], args: tuple[Any, ...],
     if size > max_bytes:
         raise InvalidRequest(
             f"invalid {name} payload: {size} bytes, over the {max_bytes}-byte limit "
-            "(LEASEKEEPER_MAX_PAYLOAD_BYTES); send ids and small specs"
+            f"(LEASEKEEPER_MAX_PAYLOAD_BYTES); {OVER_THE_LIMIT.get(name, SMALL_PAYLOADS)}"
         )
     params, required = _parameters(run)
     unknown = [k for k in kwargs if k not in params]
