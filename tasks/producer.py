@@ -159,8 +159,19 @@ def task_status(task_id: str) -> TaskStatus:
     if known == TaskState.SUCCESS:
         return TaskStatus(known, result=value)
     if known in (TaskState.FAILURE, TaskState.RETRY) and isinstance(value, BaseException):
-        return TaskStatus(known, error=str(value) or type(value).__name__)
+        return TaskStatus(known, error=_error_text(value))
     return TaskStatus(known)
+
+
+def _error_text(error: BaseException) -> str:
+    """A failed task's error as a person reads it. Celery's NotRegistered (a KeyError) says
+    only the quoted name."""
+    if type(error).__name__ == "NotRegistered" and error.args:
+        ours = sorted(name for name in acquire.app.tasks if not name.startswith("celery."))
+        return (f"unknown task {echo(error.args[0])}: no worker of this installation has a "
+                f"task of that name (its tasks: {', '.join(ours)}); see the README's task "
+                "table")
+    return str(error) or type(error).__name__
 
 
 def acquire_lease(run_id: str, spec: SandboxSpec | Mapping[str, Any] | None = None

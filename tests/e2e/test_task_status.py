@@ -36,3 +36,17 @@ def test_task_status_says_success_failure_and_pending(stack: WorkerStack) -> Non
 def test_task_status_refuses_what_is_no_task_id(task_id: object) -> None:
     with pytest.raises(InvalidRequest, match="task_id must be"):
         producer.task_status(task_id)  # type: ignore[arg-type]
+
+
+def test_task_status_of_a_task_name_no_worker_has_says_so(stack: WorkerStack) -> None:
+    # Before: error="'lease.aquire'" (the repr of Celery's NotRegistered, a KeyError): it
+    # did not say the name is unknown.
+    from workers.app import app
+
+    sent = app.send_task("lease.aquire", kwargs={"run_id": f"r-{uuid.uuid4().hex[:8]}"})
+    failed = eventually(lambda: (s := producer.task_status(sent.id)).state == "FAILURE" and s,
+                        60, "the unknown task's failure")
+    assert failed.error is not None and failed.error.startswith(
+        "unknown task 'lease.aquire': no worker of this installation has a task of that "
+        "name"), failed.error
+    assert "lease.acquire" in failed.error, failed.error  # the names it could have meant
