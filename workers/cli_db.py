@@ -8,9 +8,9 @@ from typing import Annotated
 
 import typer
 
-from workers.cli_common import ExitCode, emit_json
+from workers.cli_common import ExitCode, emit_json, error_line
 from workers.cli_leases import JsonOpt
-from workers.settings import get_settings
+from workers.settings import Settings, get_settings
 
 db_cli = typer.Typer(no_args_is_help=True, help="The lease store's schema.")
 
@@ -61,13 +61,18 @@ def db_downgrade(
     yes: Annotated[bool, typer.Option(
         "--yes", help="Really undo them: what they added (tables, columns, indexes) is "
                       "dropped, with its data.")] = False,
+    force: Annotated[bool, typer.Option(
+        "--force", help="Undo them even while workers or beat of this installation answer "
+                        "on the broker.")] = False,
 ) -> None:
     """Undo migrations down to REVISION. Stop every worker, beat, exporter and console of
-    this store first; without --yes, only says what would be undone."""
+    this store first (a worker or beat still answering on the broker refuses it, unless
+    --force); without --yes, only says what would be undone."""
     from workers.db_revisions import plan_downgrade, run_downgrade
     from workers.preflight import shown
 
-    url = get_settings().effective_store_url
+    settings = get_settings()
+    url = settings.effective_store_url
     plan = plan_downgrade(url, revision)
     if not plan.undone:
         typer.echo(f"store {shown(url)} is already at {plan.target}: nothing to undo")
@@ -78,5 +83,43 @@ def db_downgrade(
                    "with its data); stop every leasekeeper process on this store, then run "
                    "again with --yes")
         raise typer.Exit(ExitCode.NEEDS_ATTENTION)
+    running = [] if force else _running(settings)
+    if running:
+        error_line(f"not undone: {', '.join(running)} of this installation running on the "
+                   f"broker; their next statements would fail on a schema taken from under "
+                   "them. Stop every leasekeeper process on this store, then run the "
+                   "downgrade again (--force to do it anyway)")
+        raise typer.Exit(ExitCode.NEEDS_ATTENTION)
     run_downgrade(url, plan.target)
     typer.echo(f"store {shown(url)} is at {plan.target} (undone: {listing})")
+
+
+def _running(settings: Settings) -> list[str]:
+    """What of this installation answers on its broker now: its workers (by the queues they
+    consume) and beat (its liveness mark). A broker that cannot be reached tells nothing;
+    the README's order (stop them first) is then the only guard."""
+    import redis
+
+    from providers.errors import LeasekeeperError
+    from workers.cli_lanes import lanes_online
+    from workers.heartbeats import last_beat
+    from workers.preflight import check_broker
+
+    broker = settings.effective_broker_url
+    try:
+        check_broker(broker)
+    except LeasekeeperError:
+        return []
+    running = []
+    workers = lanes_online(1.0, settings.task_queue)
+    if workers:
+        running.append(f"{len(workers)} worker(s) ({', '.join(sorted(workers))})")
+    client = redis.Redis.from_url(broker, socket_timeout=2.0, socket_connect_timeout=2.0)
+    try:
+        if last_beat(client, settings.task_queue) is not None:
+            running.append("beat")
+    except redis.RedisError:
+        pass
+    finally:
+        client.close()
+    return running

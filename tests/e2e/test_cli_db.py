@@ -16,6 +16,7 @@ from sqlalchemy import create_engine, text
 from models.store import Store
 from tests.e2e.conftest import cli_env, leasekeeper
 from tests.e2e.test_cli_errors import a_lease, short_error
+from tests.services import RedisServer
 from workers.preflight import migration_heads
 
 pytestmark = pytest.mark.timeout(180)
@@ -205,3 +206,28 @@ def test_current_in_a_folder_that_does_not_exist_says_so_as_leases_list_does(
     assert current.returncode == 2
     short_error(current, said, "LEASEKEEPER_STORE_URL")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_downgrade_under_running_workers_is_refused_unless_forced(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    # Before: `db downgrade R --yes` undid migrations under running workers, whose next
+    # acquire failed for good ('column "secret_env_given" of relation "runs" does not
+    # exist'): the README says to stop them first, and nothing checked.
+    from tests.stack import own_queue_stack
+
+    with own_queue_stack("downgrade", redis_server.url, tmp_path) as stack:
+        (head,) = migration_heads()
+        env = {**cli_env(**{k: v for k, v in stack.env.items()
+                            if k.startswith("LEASEKEEPER_")})}
+        # when a downgrade is asked for with a worker of the installation running
+        done = leasekeeper("db", "downgrade", "0009", "--yes", env=env)
+        # then it is refused, naming what runs and how to go on, and nothing is undone
+        assert done.returncode == 1, done.stdout + done.stderr
+        err = short_error(done, "not undone: 1 worker(s)", "running on the broker", "--force")
+        assert "downgrade" in err
+        assert revision_of(stack.store_url) == head
+        # and --force does it anyway
+        forced = leasekeeper("db", "downgrade", "0009", "--yes", "--force", env=env)
+        assert forced.returncode == 0, forced.stdout + forced.stderr
+        assert revision_of(stack.store_url) == "0009_runs12"
+        assert leasekeeper("db", "upgrade", env=env).returncode == 0
