@@ -53,6 +53,9 @@ MEMBER_STATES = (LeaseState.PROVISIONING, LeaseState.WARM, LeaseState.PENDING_CL
 LAST_ERROR_CHARS = 500
 # How a warm member's exit is recorded as its pool's last error (member_ready reads it)
 WARM_EXIT = "a warm member's command exited"
+# How a provider's refusal of the pool's template (its check_spec) is recorded as the
+# pool's last error (Breaker.refused, PoolStore.fill and `leasekeeper status` read it)
+TEMPLATE_REFUSED = "template refused"
 
 
 def unclaimed(pool: str) -> list[ColumnElement[bool]]:
@@ -84,6 +87,13 @@ class Breaker:
     open_until: datetime | None = None
     last_error: str | None = None
 
+    @property
+    def refused(self) -> bool:
+        """Its latest failure is the provider refusing the pool's template, and no member
+        became ready since: the pool cannot create anything until its template changes."""
+        return self.consecutive_failures > 0 and (self.last_error or "").startswith(
+            TEMPLATE_REFUSED)
+
     def state(self, threshold: int, now: datetime) -> BreakerState:
         if self.consecutive_failures < threshold:
             return BreakerState.CLOSED
@@ -108,6 +118,9 @@ class FillTarget:
     idle_timeout_s: int
     name_for: Callable[[str], str]  # lease id -> provider resource name
     new_id: Callable[[], str]
+    # the provider's refusal of the template (its check_spec), as the pool's last error
+    # records it (TEMPLATE_REFUSED: ...): where members would be created, a failure instead
+    refused: str | None = None
 
 
 class FillDecision(StrEnum):
@@ -116,6 +129,7 @@ class FillDecision(StrEnum):
     AT_MAX_SIZE = "at_max_size"  # below size, but max_size members exist (drains pending)
     BREAKER_OPEN = "breaker_open"  # creating nothing until the backoff passes
     PROBING = "probing"  # half open: a probe member is (now) being created
+    REFUSED = "refused"  # members were due, but the provider refuses the template: a failure
 
 
 @dataclass(frozen=True)
@@ -238,11 +252,24 @@ class PoolStore:
     def fill(self, target: FillTarget, policy: BreakerPolicy, task_id: str | None,
              dry_run: bool = False) -> Filled:
         """Top the pool up in one transaction under its row lock (see the module's doc).
-        A dry run only reads (no lock, no pool row created) and says what it would do."""
+        A dry run only reads (no lock, no pool row created) and says what it would do.
+
+        A template the provider refuses (``target.refused``) can never make a member: where
+        members would be created (the breaker closed, or half open and no probe under way)
+        that is one failure on the breaker, recorded with the refusal as its last error,
+        as a failed create is; so the breaker opens, and backs off, as for any fill that
+        cannot succeed. Once the provider accepts the template again (it was changed), the
+        refusals say nothing of it: the breaker they opened closes, and the fill goes on."""
         now = utcnow()
         with self.store.tx() as s:
             breaker = (self._read_pool(s, target.pool) if dry_run
                        else self._lock_pool(s, target.pool, now))
+            if target.refused is None and breaker.refused:
+                breaker = Breaker(breaker.name, 0, breaker.failures_total, None,
+                                  breaker.last_error)
+                if not dry_run:
+                    s.execute(update(P).where(P.c.name == target.pool).values(
+                        consecutive_failures=0, open_until=None, updated_at=now))
             counts = self._counts(s, target.pool)
             state = breaker.state(policy.threshold, now)
             if state == BreakerState.OPEN:
@@ -261,6 +288,10 @@ class PoolStore:
             if room <= 0:
                 return Filled(FillDecision.FULL if live >= target.size
                               else FillDecision.AT_MAX_SIZE, [], counts, breaker)
+            if target.refused is not None:
+                if not dry_run:
+                    breaker = self._count_failure(s, target.pool, target.refused, policy, now)
+                return Filled(FillDecision.REFUSED, [], counts, breaker, room)
             decision = (FillDecision.PROBING if state == BreakerState.HALF_OPEN
                         else FillDecision.CREATED)
             if dry_run:

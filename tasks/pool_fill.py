@@ -11,7 +11,11 @@ single-flight lock) first drains, then fills:
   ``pool.provision`` per member. The pool's circuit breaker stops creation after
   ``LEASEKEEPER_POOL_BREAKER_THRESHOLD`` consecutive failures, for a backoff that doubles
   with each further failure (reported as ``breaker_open``), then lets one probe member
-  through at a time (``probing``) until one becomes ready and closes it.
+  through at a time (``probing``) until one becomes ready and closes it. A template the
+  provider refuses (its ``check_spec``: it can never run) is, where members were due, one
+  failure on that breaker with the refusal as the pool's last error
+  (``template_refused``), so `leasekeeper pools`, `status`, the metrics and the breaker's
+  alert show it; once the template is accepted again, the breaker it opened closes.
 
 ``pool.provision`` (lease id only, on the pool lane, polled after every other lane)
 creates one member through the provider's acquire, as an acquire would (the intent was
@@ -31,6 +35,8 @@ from enum import StrEnum
 from typing import Any
 
 from models.pool_store import (
+    LAST_ERROR_CHARS,
+    TEMPLATE_REFUSED,
     Breaker,
     BreakerPolicy,
     BreakerState,
@@ -69,7 +75,7 @@ class FillOutcome(StrEnum):
     AT_MAX_SIZE = "at_max_size"  # below size, but max_size members exist (some draining)
     BREAKER_OPEN = "breaker_open"  # a pool whose creates kept failing: nothing created
     PROBING = "probing"  # a pool whose breaker is half open: one probe member at a time
-    TEMPLATE_REFUSED = "template_refused"  # the provider can never run the template
+    TEMPLATE_REFUSED = "template_refused"  # the provider can never run the template: a failure
     EXPIRED = "expired"  # drained: warm past the pool's max_age_s
     EXCESS = "excess"  # drained: more members than the pool's (new) size
     REMOVED = "removed"  # drained: its pool is no longer declared
@@ -118,18 +124,17 @@ def _fill(ctx: SweepContext, pools: PoolStore, pool: PoolDeclaration, tally: Tal
     rt = ctx.rt
     provider = rt.provider(pool.provider)
     spec = pool.member_spec()
+    refused = None
     try:
         provider.check_spec(spec)
-    except TerminalProviderError as exc:
-        log.error("pool %s: its template cannot run on %s: %s", pool.name, pool.provider, exc)
-        tally.add(FillOutcome.TEMPLATE_REFUSED, pool.name, str(exc)[:200])
-        return
+    except TerminalProviderError as exc:  # recorded on the pool's row as a fill failure
+        refused = f"{TEMPLATE_REFUSED}: {exc}"[:LAST_ERROR_CHARS]
     target = FillTarget(
         pool=pool.name, size=pool.size, max_size=pool.max_size, batch=pool.fill_batch_size,
         provider=pool.provider, tenant=spec.tenant, spec=spec.redacted(),
         max_age_s=pool.max_age_s, acquire_timeout_s=rt.settings.acquire_timeout_s,
         idle_timeout_s=rt.settings.lease_idle_timeout_s, name_for=provider.lease_name,
-        new_id=new_lease_id)
+        new_id=new_lease_id, refused=refused)
     filled = pools.fill(target, breaker_policy(rt.settings), ctx.task_id, ctx.dry_run)
     for lease_id in filled.lease_ids:
         ctx.effects.provision(lease_id)
@@ -144,6 +149,11 @@ def _fill(ctx: SweepContext, pools: PoolStore, pool: PoolDeclaration, tally: Tal
                        "provisioning") + f"; {_breaker_detail(filled.breaker)}")
         case FillDecision.BREAKER_OPEN:
             tally.add(FillOutcome.BREAKER_OPEN, pool.name, _breaker_detail(filled.breaker))
+        case FillDecision.REFUSED:
+            detail = f"{(refused or '')[:200]}; {_failures_detail(filled.breaker)}"
+            log.error("pool %s: its template cannot run on %s, fix it in LEASEKEEPER_POOLS "
+                      "or LEASEKEEPER_POOLS_FILE: %s", pool.name, pool.provider, detail)
+            tally.add(FillOutcome.TEMPLATE_REFUSED, pool.name, detail)
         case FillDecision.AT_MAX_SIZE:
             tally.add(FillOutcome.AT_MAX_SIZE, pool.name, _counts_detail(filled.counts))
         case FillDecision.FULL:
@@ -152,6 +162,12 @@ def _fill(ctx: SweepContext, pools: PoolStore, pool: PoolDeclaration, tally: Tal
 
 def _counts_detail(counts: dict[str, int]) -> str:
     return ", ".join(f"{state} {n}" for state, n in counts.items() if n) or "empty"
+
+
+def _failures_detail(breaker: Breaker) -> str:
+    until = (f", closed to creates until {breaker.open_until.isoformat(timespec='seconds')}Z"
+             if breaker.open_until else "")
+    return f"{breaker.consecutive_failures} consecutive failures{until}"
 
 
 def _breaker_detail(breaker: Breaker) -> str:

@@ -4,7 +4,9 @@ One row per declared pool, plus any pool no longer declared whose members still 
 (they are being drained): size and max_size (declared), its unclaimed members by state
 (warm, provisioning, draining = pending_cleanup or destroying), and its circuit breaker
 (closed, open until a time, or half open: one probe member at a time) with the last
-error. `leasekeeper status` shows the same rows in short.
+error, and whether that error is the provider refusing the pool's template (then it can
+create nothing until the template changes). `leasekeeper status` shows the same rows in
+short.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ def pool_rows(rt: Runtime) -> list[dict[str, Any]]:
             "open_until": breaker.open_until if breaker.open_until
             and breaker.open_until > now else None,
             "consecutive_failures": breaker.consecutive_failures,
-            "failures_total": breaker.failures_total, "last_error": breaker.last_error})
+            "failures_total": breaker.failures_total, "last_error": breaker.last_error,
+            "template_refused": breaker.refused})
     return rows
 
 

@@ -5,8 +5,9 @@ status shows leases by state and provider, abandoned leases with their reasons, 
 pending_cleanup, runs by status, the warm pools, each sweep's last tick
 (workers/heartbeats.py), workers online, queue lengths, and a verdict. It exits 1 when
 something needs a person: abandoned leases, a warm pool whose circuit breaker stopped its
-creates, a sweep that has not run within three of its intervals, no worker, a lane with
-tasks waiting that no worker consumes (workers/cli_lanes.py), a service down.
+creates or whose template its provider refuses, a sweep that has not run within three of
+its intervals, no worker, a lane with tasks waiting that no worker consumes
+(workers/cli_lanes.py), a service down.
 """
 
 from __future__ import annotations
@@ -126,7 +127,14 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
 
         report["pools"] = pool_rows(rt)
         for pool in report["pools"]:
-            if pool["breaker"] != "closed":
+            if pool["template_refused"]:
+                verdict.problems.append(
+                    f"warm pool {pool['pool']} creates no member and every run asking it "
+                    f"fails: {(pool['last_error'] or '')[:300]} (breaker {pool['breaker']}, "
+                    f"{pool['consecutive_failures']} failed in a row); fix the pool's "
+                    "template in LEASEKEEPER_POOLS or LEASEKEEPER_POOLS_FILE, then restart "
+                    "the workers and beat")
+            elif pool["breaker"] != "closed":
                 verdict.problems.append(
                     f"warm pool {pool['pool']} stopped creating members after "
                     f"{pool['consecutive_failures']} failed in a row (breaker "
@@ -217,7 +225,8 @@ def _print(report: dict[str, Any]) -> None:
     for pool in report.get("pools") or []:
         typer.echo(f"pool {pool['pool']}: {pool['warm']} warm of {pool['size']} (max "
                    f"{pool['max_size']}), {pool['provisioning']} provisioning, "
-                   f"{pool['draining']} draining; breaker {pool['breaker']}")
+                   f"{pool['draining']} draining; breaker {pool['breaker']}"
+                   + ("; template refused" if pool["template_refused"] else ""))
     if report.get("sweeps") is not None:
         typer.echo("sweeps")
         typer.echo(_indent(table(

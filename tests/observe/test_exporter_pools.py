@@ -7,7 +7,9 @@ over a real store (SQLite and PostgreSQL), real local sandboxes and the test Red
 - a pool removed from the settings keeps its series only while members of it exist: no
   all-zero (or open-breaker) series for it forever;
 - a member whose create failed is the pool's failure, not a failed acquire (no run asked
-  for it: AcquireFailureRateHigh must not fire for a failing pool).
+  for it: AcquireFailureRateHigh must not fire for a failing pool);
+- a template the provider refuses counts as the pool's fill failures and opens its
+  breaker, so PoolBreakerOpen fires on the real scrape (replayed to promtool).
 """
 
 from __future__ import annotations
@@ -162,3 +164,28 @@ def test_a_failed_member_create_is_no_failed_acquire(
     assert seen.value("leasekeeper_pool_fill_failures_total", pool="broken") == 2
     assert seen.total("leasekeeper_acquires_total", outcome="failed") == 0
     assert seen.total("leasekeeper_acquires_total", outcome="active") == 1
+
+
+def test_a_refused_template_counts_as_fill_failures_and_its_alert_fires(
+        runtimes: Callable[..., Runtime],
+        exporter_for: Callable[[list[dict[str, Any]]], Exporter], tmp_path: Path) -> None:
+    """QA: a pool whose command does not exist scraped breaker 0, failures 0: no alert."""
+    from tests.observe.test_alerts_on_real_scrapes import fired
+
+    nocmd = [pool("nocmd", size=1, template={"command": ["nosuchcmd-xyz"]})]
+    exporter = exporter_for(nocmd)
+    rt = runtimes(pools=nocmd, pool_breaker_threshold=3)  # the exporter's default
+    for _ in range(3):
+        assert fill(rt, PoolRecorder(rt, inline=True, inline_provision=True))[
+            "template_refused"] == 1
+
+    def opened() -> Samples | None:
+        samples = exporter.scrape()
+        return samples if samples.value("leasekeeper_pool_breaker_open", pool="nocmd") else None
+
+    seen = eventually(opened, 60, "the exporter to see the breaker open")
+    assert seen.value("leasekeeper_pool_fill_failures_total", pool="nocmd") == 3
+    assert seen.total("leasekeeper_acquires_total", outcome="failed") == 0  # no run's
+    series = {key: value for key, value in seen.found.items()
+              if key[0].startswith("leasekeeper_") and not key[0].endswith("_created")}
+    assert fired(series, "PoolBreakerOpen", tmp_path)

@@ -271,12 +271,53 @@ def test_a_provision_of_a_removed_pool_creates_nothing(
     assert sandboxes(rt) == set()
 
 
-def test_a_template_the_provider_cannot_run_is_reported_and_nothing_recorded(
+def test_a_template_the_provider_cannot_run_is_a_fill_failure_and_nothing_recorded(
         runtime_with: Callable[..., Runtime]) -> None:
-    rt = runtime_with(pools=[pool(template={"command": ["no-such-program-xyz"]})])
+    """QA: a refused template only reached the log; its pool's row (breaker, last error),
+    and so `pools`, `status`, the metrics and the alert, said nothing."""
+    from tasks.pool_fill import fill_pools
+    from tasks.sweeping import SweepContext
+
+    rt = runtime_with(pools=[pool(template={"command": ["no-such-program-xyz"]})],
+                      pool_breaker_threshold=2, pool_breaker_backoff_s=60)
     effects = PoolRecorder(rt, inline=True, inline_provision=True)
+    first = fill_pools(SweepContext(rt, effects))
+    assert first[FillOutcome.TEMPLATE_REFUSED] == 1
+    assert any(i.startswith("template_refused py (template refused: local: command "
+                            "'no-such-program-xyz' not found") for i in first.items), first.items
+    refused = breaker(rt)
+    assert (refused.consecutive_failures, refused.failures_total) == (1, 1) and refused.refused
+    assert refused.last_error.startswith("template refused: local: command "
+                                         "'no-such-program-xyz' not found on the worker's PATH")
+    assert refused.state(2, utcnow()) == BreakerState.CLOSED
+    # a second refusal opens the breaker, as a second failed create would
     assert fill(rt, effects)["template_refused"] == 1
-    assert members(rt) == [] and sandboxes(rt) == set()
+    opened = breaker(rt)
+    assert opened.consecutive_failures == 2 and opened.state(2, utcnow()) == BreakerState.OPEN
+    # while it is open the fill creates nothing and counts nothing more
+    assert fill(rt, effects)["breaker_open"] == 1
+    assert breaker(rt).failures_total == 2
+    assert members(rt) == [] and sandboxes(rt) == set() and effects.provisions == []
+    # a dry run says so and writes nothing
+    assert fill_pools(SweepContext(rt, effects, dry_run=True))[FillOutcome.BREAKER_OPEN] == 1
+    assert breaker(rt) == opened
+
+
+def test_a_template_fixed_after_a_refusal_fills_at_once(
+        runtime_with: Callable[..., Runtime]) -> None:
+    """The refusals were the old template's: the breaker they opened says nothing of the
+    new one, which the provider accepts, so the next tick fills (no backoff to wait)."""
+    rt = runtime_with(pools=[pool(template={"command": ["no-such-program-xyz"]})],
+                      pool_breaker_threshold=1, pool_breaker_backoff_s=600)
+    fill(rt, PoolRecorder(rt, inline=True, inline_provision=True))
+    assert breaker(rt).state(1, utcnow()) == BreakerState.OPEN
+    fixed = runtime_with(pools=[pool(template={"command": ["sleep", "600"]})],
+                         pool_breaker_threshold=1, pool_breaker_backoff_s=600)
+    assert fill(fixed, PoolRecorder(fixed, inline=True, inline_provision=True))["created"] == 2
+    assert len(warm(fixed)) == 2
+    closed = breaker(fixed)
+    assert closed.state(1, utcnow()) == BreakerState.CLOSED and not closed.refused
+    assert closed.failures_total == 1  # the refusal stays counted
 
 
 # -- draining ----------------------------------------------------------------------------

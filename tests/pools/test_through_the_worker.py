@@ -1,8 +1,9 @@
 """Warm pools as Celery runs them: a real worker (prefork, its own queue and store: SQLite
 and PostgreSQL), real celery beat driving sweep.fill_pools, claims through the producer
 API, a burst of claims with the store sampled all along (never above max_size), a pool
-whose creates fail (its breaker opens and the summary says so), and no secret value in
-the store, the worker's log, Redis or any result."""
+whose creates fail (its breaker opens and the summary says so), a pool whose template the
+provider refuses (a failure on its breaker: `leasekeeper pools` and `status` name it), and
+no secret value in the store, the worker's log, Redis or any result."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from models.pool_store import BreakerState, PoolStore
 from models.schema import LeaseState, utcnow
 from tasks import producer
 from tests.contract.test_by_name import redis_dump, store_dump
-from tests.e2e.conftest import eventually
+from tests.e2e.conftest import eventually, leasekeeper
 from tests.pools.conftest import WAITING_MEMBER
 from tests.services import RedisServer
 from tests.stack import WorkerStack, sending_to
@@ -30,7 +31,10 @@ from workers.app import app
 pytestmark = pytest.mark.timeout(400)
 POOLS = [{"name": "py", "provider": "local", "size": 3, "max_size": 4, "fill_batch_size": 4,
           "template": {"command": WAITING_MEMBER}},
-         {"name": "broken", "provider": "faulty", "size": 2}]
+         {"name": "broken", "provider": "faulty", "size": 2},
+         # a template the provider refuses (no such command): it can never make a member
+         {"name": "nocmd", "provider": "local", "size": 1,
+          "template": {"command": ["nosuchcmd-xyz"]}}]
 
 
 @pytest.fixture(scope="module", params=["sqlite", pytest.param("postgres",
@@ -155,12 +159,57 @@ def test_a_pool_whose_creates_fail_opens_its_breaker_and_reports_it(
         return summary["run"] == "ran"
 
     eventually(ran, 60, "a fill tick that ran (not skipped)")
-    assert summary["breaker_open"] == 1, summary
-    assert any(i.startswith("breaker_open broken (") and "injected terminal fault" in i
-               for i in summary["items"]), summary["items"]
+    broken = [i for i in summary["items"] if i.startswith("breaker_open broken (")]
+    assert len(broken) == 1 and "injected terminal fault" in broken[0], summary["items"]
     members = [lease for lease in rt.store.leases() if lease.pool == "broken"]
     assert members and all(m.end_reason == "acquire_failed" for m in members)
     eventually(lambda: all(rt.store.get_lease(m.lease_id).state == LeaseState.DESTROYED
                            for m in members), 60, "every failed member destroyed")
     assert rt.provider("faulty").list_managed() == []  # nothing left, nothing multiplied
     assert len(members) <= 3  # two created at once, then at most one probe: never more
+
+
+def test_a_pool_whose_template_is_refused_opens_its_breaker_and_status_names_it(
+        pool_stack: WorkerStack) -> None:
+    """QA: a pool whose command does not exist looked healthy everywhere (breaker closed,
+    no last error, status ok) but in the worker's log; every run asking it failed."""
+    pools = PoolStore(pool_stack.runtime().store)
+
+    def breaker_open() -> bool:
+        found = pools.breakers().get("nocmd")
+        return found is not None and found.state(2, utcnow()) == BreakerState.OPEN
+
+    def ticked_until_open() -> bool:
+        app.send_task("sweep.fill_pools").get(60)
+        return breaker_open()
+
+    if not breaker_open():  # earlier tests' beats may have opened it already
+        eventually(ticked_until_open, 120, "the nocmd pool's breaker to open")
+    refused = pools.breakers()["nocmd"]
+    assert refused.refused and refused.consecutive_failures >= 2
+    assert refused.last_error is not None
+    assert refused.last_error.startswith("template refused: local: command 'nosuchcmd-xyz' "
+                                         "not found")
+    assert not [lease for lease in pool_stack.runtime().store.leases()
+                if lease.pool == "nocmd"]  # nothing recorded, nothing created
+
+    shown = leasekeeper("pools", "--json", env=pool_stack.env)
+    assert shown.returncode == 0, shown.stderr
+    row = {r["pool"]: r for r in json.loads(shown.stdout)["pools"]}["nocmd"]
+    assert row["breaker"] == "open" and row["template_refused"] is True
+    assert row["failures_total"] >= 2 and "nosuchcmd-xyz" in row["last_error"]
+    table = leasekeeper("pools", env=pool_stack.env).stdout
+    line = next(x for x in table.splitlines() if x.startswith("nocmd"))
+    assert "open until" in line and "template refused: local: command" in line, table
+
+    status = leasekeeper("status", "--json", env=pool_stack.env)
+    assert status.returncode == 1, status.stdout + status.stderr
+    problems = [p for p in json.loads(status.stdout)["verdict"]["problems"] if "nocmd" in p]
+    assert len(problems) == 1, problems
+    assert problems[0].startswith("warm pool nocmd creates no member and every run asking "
+                                  "it fails: template refused: local: command 'nosuchcmd-xyz'")
+    assert "fix the pool's template in LEASEKEEPER_POOLS or LEASEKEEPER_POOLS_FILE" in \
+        problems[0]
+    text = leasekeeper("status", env=pool_stack.env).stdout
+    assert "pool nocmd: 0 warm of 1 (max 1), 0 provisioning, 0 draining; breaker open; " \
+        "template refused" in text, text
