@@ -1,7 +1,9 @@
 """The sandbox spec a caller asks for, validated before anything is enqueued or created.
 
-Secret values live only in ``secret_env`` (``SecretStr``): they reach the provider and
-nothing else. ``redacted()`` is what logs, Flower and task results may show.
+Secret values live only in ``secret_env`` (``SecretStr``): they reach the provider, and
+leasekeeper writes them nowhere else (the broker holds a task's message, arguments and
+all, until the task is done: README "Secrets"). ``redacted()`` is what logs, Flower and
+task results may show.
 Types are strict (the JSON contract: ``"yes"`` is not a boolean, ``"60"`` not an integer)
 and every size is bounded (below), so nothing too big for a process's argv and environment
 (or a Kubernetes object) is ever stored or sent to a provider.
