@@ -1,7 +1,9 @@
 """The sandbox spec a caller asks for, validated before anything is enqueued or created.
 
-Secret values live only in ``secret_env`` (``SecretStr``): they reach the provider and
-nothing else. ``redacted()`` is what logs, Flower and task results may show.
+Secret values live only in ``secret_env`` (``SecretStr``): they reach the provider, and
+leasekeeper writes them nowhere else (the broker holds a task's message, arguments and
+all, until the task is done: README "Secrets"). ``redacted()`` is what logs, Flower and
+task results may show.
 Types are strict (the JSON contract: ``"yes"`` is not a boolean, ``"60"`` not an integer)
 and every size is bounded (below), so nothing too big for a process's argv and environment
 (or a Kubernetes object) is ever stored or sent to a provider.
@@ -10,7 +12,7 @@ and every size is bounded (below), so nothing too big for a process's argv and e
 from __future__ import annotations
 
 import re
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from decimal import Decimal
 from typing import Annotated, Any
 
@@ -96,15 +98,48 @@ def _hide(value: Any, whole: frozenset[str], inner: list[str]) -> Any:
     if isinstance(value, str):
         if value in whole:
             return REDACTED
-        for secret in inner:
-            if secret in value:
-                value = value.replace(secret, REDACTED)
-        return value
+        present = [secret for secret in inner if secret in value]
+        return hide_in_text(value, present) if present else value
     if isinstance(value, dict):
         return {_hide(k, whole, inner): _hide(v, whole, inner) for k, v in value.items()}
     if isinstance(value, (list, tuple)):  # a tuple of types: cheaper than a union
         return [_hide(v, whole, inner) for v in value]
     return value
+
+
+def hide_in_text(text: str, secrets: Iterable[str]) -> str:
+    """``text`` with every occurrence of every one of ``secrets`` hidden, those inside
+    or overlapping another too (one secret's end may be another's start): each run of
+    overlapping or touching occurrences is one ``***`` (:func:`hide_spans`)."""
+    spans: list[tuple[int, int]] = []
+    for secret in secrets:
+        if secret:
+            at = text.find(secret)
+            while at >= 0:
+                spans.append((at, at + len(secret)))
+                at = text.find(secret, at + 1)
+    return hide_spans(text, spans)
+
+
+def hide_spans(text: str, spans: list[tuple[int, int]]) -> str:
+    """``text`` with each run of overlapping or touching ``spans`` (``(start, end)``
+    slices, in any order) replaced by one ``***``: no character of any span is left.
+    Replacing one secret after another would leave the part of a second secret that
+    overlaps a first one past its end (``***IJKLmnop99``)."""
+    if not spans:
+        return text
+    spans = sorted(spans)
+    out: list[str] = []
+    copied = 0
+    start, end = spans[0]
+    for at, to in spans:
+        if at <= end:
+            end = max(end, to)
+        else:
+            out += (text[copied:start], REDACTED)
+            copied, start, end = end, at, to
+    out += (text[copied:start], REDACTED, text[end:])
+    return "".join(out)
 
 
 def check_id(kind: str, value: object) -> str:

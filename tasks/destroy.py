@@ -33,8 +33,7 @@ from tasks import secret_marks
 from tasks.base import LeaseTask
 from tasks.leases import handle, later
 from tasks.operator import operators_own
-from tasks.redaction import scrub_text
-from tasks.text import storable
+from tasks.sent_cut import cut_note, received
 from workers.app import app
 from workers.runtime import Runtime
 from workers.settings import CLEANUP_BACKOFF_MAX_S
@@ -56,10 +55,19 @@ def checked_reason(reason: object) -> str:
     return reason
 
 
-def clean_reason(reason: str) -> str:
-    """A destroy reason as the store keeps it: secrets scrubbed, what no store holds
-    replaced (tasks/text.py), trimmed, at most REASON_MAX_CHARS; blank: "requested"."""
-    return storable(scrub_text(reason)).strip()[:REASON_MAX_CHARS].strip() or DEFAULT_REASON
+def clean_reason(reason: str, marks: secret_marks.Marks | None = None) -> str:
+    """A destroy reason as the store keeps it: trimmed, scrubbed as a run's error is
+    (tasks/sent_cut.py ``received``: with ``marks``, of the lease's run's and thread's
+    secrets too, before any cut), what no store holds replaced (tasks/text.py), at most
+    REASON_MAX_CHARS; blank: "requested". A reason its sender cut to fit the message ends
+    in the whole length, as a run's error does (``... [N characters; the rest cut]``).
+    Cleaning a clean reason changes nothing."""
+    got = received(reason.strip(), marks, REASON_MAX_CHARS)
+    kept = got.text.rstrip()
+    if got.sender_cut:
+        note = cut_note(got.total_chars)
+        kept = kept[:REASON_MAX_CHARS - len(note)].rstrip() + note
+    return kept[:REASON_MAX_CHARS].rstrip() or DEFAULT_REASON
 
 
 class DestroyResult(StrEnum):
@@ -151,22 +159,22 @@ def _record_failure(
 
 
 def _without_marked_secrets(rt: Runtime, lease_id: str, reason: str) -> str:
-    """A caller's reason with the secrets of the lease's run and thread scrubbed, whichever
-    process saw them (tasks/secret_marks.py), as run.finish's error is: the reason is
-    stored and shown (events, the lease's end, its runs' error). The default reason, an
-    operator's own (tasks/operator.operators_own) or one too short to hold a secret costs
-    nothing; BrokerUnavailable (retried) when the marks cannot be read, so a reason is
-    never stored unsearched."""
+    """A caller's reason cleaned (:func:`clean_reason`) with the secrets of the lease's
+    run and thread scrubbed, whichever process saw them (tasks/secret_marks.py), as
+    run.finish's error is: the reason is stored and shown (events, the lease's end, its
+    runs' error). The default reason, an operator's own (tasks/operator.operators_own) or
+    one too short to hold a secret costs no read of the marks; BrokerUnavailable
+    (retried) when the marks cannot be read, so a reason is never stored unsearched."""
     if (reason == DEFAULT_REASON or len(reason) < MIN_SUBSTRING_SECRET_CHARS
             or operators_own(reason)):
-        return reason
+        return clean_reason(reason)
     lease = rt.store.get_lease(lease_id)
     if lease.run_id is None and lease.thread_id is None:
-        return reason  # a pool member no run has had: no secret was ever given to it
+        return clean_reason(reason)  # a pool member no run has had: no secret given to it
     marks = secret_marks.load(rt, lease.run_id or "", lease.thread_id)
     if secret_marks.lost(rt, marks, lease.spec, lease.run_id, lease_id):
         return "withheld: its run's secret marks are lost"  # fits END_REASON_MAX_CHARS
-    return secret_marks.scrub(reason, marks, limit_chars=REASON_MAX_CHARS)
+    return clean_reason(reason, marks)
 
 
 @app.task(bind=True, base=LeaseTask, name="lease.destroy")

@@ -11,7 +11,6 @@ payloads documented in the README. With the broker down, every call raises
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -40,15 +39,16 @@ from tasks.broker_words import (
     database_missing,
     out_of_memory,
 )
-from tasks.destroy import checked_reason, clean_reason, destroy
+from tasks.destroy import checked_reason, destroy
 from tasks.reclaim import reclaim
 from tasks.redaction import scrub_text, secret_values
 from tasks.resume import resume_check
-from tasks.runs import SENT_CUT_NOTE, parse_finish
 from tasks.runs import attach_run as _attach
 from tasks.runs import detach_run as _detach
 from tasks.runs import finish_run as _finish
+from tasks.runs import parse_finish
 from tasks.runs import touch_lease as _touch
+from tasks.sent_cut import sendable
 from tasks.text import storable
 from workers.pool_settings import resolve_spec
 from workers.settings import (
@@ -243,38 +243,27 @@ def check_resumable(lease_id: str) -> AsyncResult:
 
 
 def destroy_lease(lease_id: str, reason: str | None = "requested") -> AsyncResult:
-    return _send(destroy, {"lease_id": _id(destroy, "lease_id", lease_id),
-                           "reason": clean_reason(checked_reason(reason))})
+    """Send lease.destroy. The reason goes whole when the payload fits, else cut to fit
+    as finish_run's error is (tasks/sent_cut.py): never to the 200 characters the store
+    keeps, which the worker cuts after scrubbing the run's secrets, seen whole."""
+    kwargs: dict[str, Any] = {"lease_id": _id(destroy, "lease_id", lease_id)}
+    kwargs["reason"] = sendable(storable(scrub_text(checked_reason(reason))), kwargs,
+                                "reason", get_settings().max_payload_bytes)
+    return _send(destroy, kwargs)
 
 
 def finish_run(run_id: str, status: str, exit_code: int | None = None,
                error: str | None = None) -> AsyncResult:
+    """Send run.finish. The error goes whole when the payload fits, else cut to fit
+    (tasks/sent_cut.py): never to the 2,000 characters a run keeps, which the worker cuts
+    after scrubbing the run's secrets, seen whole."""
     run_id, parsed = parse_finish(run_id, status, exit_code, error)
     kwargs: dict[str, Any] = {"run_id": run_id, "status": parsed.value,
                               "exit_code": exit_code, "error": None}
     if error is not None:
-        kwargs["error"] = _sendable(storable(scrub_text(error)), kwargs,
-                                    get_settings().max_payload_bytes)
+        kwargs["error"] = sendable(storable(scrub_text(error)), kwargs, "error",
+                                   get_settings().max_payload_bytes)
     return _send(_finish, kwargs)
-
-
-def _sendable(text: str, kwargs: dict[str, Any], max_bytes: int) -> str:
-    """The error as the finish sends it: whole when the payload fits ``max_bytes`` (as
-    tasks/base.py check_payload measures it: JSON, where a character may take 12 bytes),
-    else as much of it as fits, ending in SENT_CUT_NOTE (the whole length). Never cut to
-    what the run keeps: this process has no secret marks, and the worker's can match
-    only a secret it sees whole (tasks/runs.py clean_error)."""
-    def size(error: str) -> int:
-        return len(json.dumps({**kwargs, "error": error}, default=str).encode())
-
-    if size(text) <= max_bytes:
-        return text
-    note = SENT_CUT_NOTE.format(len(text))
-    fits, over = 0, min(len(text), max_bytes) + 1  # at least a byte a character
-    while over - fits > 1:
-        mid = (fits + over) // 2
-        fits, over = (mid, over) if size(text[:mid] + note) <= max_bytes else (fits, mid)
-    return text[:fits] + note
 
 
 def detach_run(run_id: str) -> AsyncResult:

@@ -38,7 +38,12 @@ from typing import Any, NamedTuple
 from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
 
-from providers.spec import MIN_SUBSTRING_SECRET_CHARS, REDACTED, hide_secret_values
+from providers.spec import (
+    MIN_SUBSTRING_SECRET_CHARS,
+    REDACTED,
+    hide_in_text,
+    hide_secret_values,
+)
 from tasks.intake import CheckingConsumer
 
 SECRET_FIELDS = frozenset({"secret_env"})  # the field a valid spec carries secrets in
@@ -251,9 +256,7 @@ def scrub_text(text: str) -> str:
         text = "".join(out)
     with _known_lock:
         known = [v for v in _known if v in text]
-    for value in known:
-        text = text.replace(value, REDACTED)
-    return text
+    return hide_in_text(text, known) if known else text
 
 
 def scrub_exception(exc: BaseException) -> None:

@@ -9,19 +9,17 @@ deadline; nothing else does (background traffic inside a sandbox never keeps it 
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from models.schema import LeaseState, RunStatus
 from models.store import RunChange, RunEnd
 from providers.errors import InvalidRequest
-from providers.spec import MAX_ENV_VALUE_CHARS, check_id
+from providers.spec import check_id
 from tasks import secret_marks
 from tasks.base import LeaseTask
 from tasks.leases import EXPIRED, later
 from tasks.reclaim import reclaim
-from tasks.redaction import scrub_text
-from tasks.text import storable
+from tasks.sent_cut import cut_note, received
 from workers.app import app
 from workers.runtime import Runtime
 
@@ -32,51 +30,23 @@ FINISH_STATUSES = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.AB
                              RunStatus.INTERRUPTED})
 # What a run keeps of the error its finish reports (the cut is said in the text)
 ERROR_MAX_CHARS = 2000
-# How a sender that had to cut an error (the producer: a payload is bounded) ends what it
-# sends: N is the length of the whole text. The run's own note then counts what was not sent.
-SENT_CUT_NOTE = "... [{} characters; the rest cut before sending]"
-# What of a text its sender cut is never kept, before that cut: the most of a secret it
-# can end in (scrubs may write a redaction note there: the slack)
-SENT_CUT_UNSEEN_CHARS = MAX_ENV_VALUE_CHARS + 64
-_SENT_CUT = re.compile(r"\.\.\. \[(\d{1,12}) characters; the rest cut before sending\]\Z")
-
-
-def cut_note(total_chars: int) -> str:
-    return f"... [{total_chars} characters; the rest cut]"
-
-
-def _sent_cut(error: str) -> tuple[str, int]:
-    """The text a sender sent, and how many characters it cut off its end (0: none)."""
-    found = _SENT_CUT.search(error)
-    if found is None or int(found.group(1)) <= found.start():
-        return error, 0
-    return error[:found.start()], int(found.group(1)) - found.start()
 
 
 def clean_error(error: str | None, marks: secret_marks.Marks | None = None) -> str | None:
-    """The error text a run records: every secret this process knows of and every
-    ``secret_env`` dump scrubbed (tasks/redaction.py), and with ``marks`` every secret of
-    the run and its thread, whichever process saw them (tasks/secret_marks.py), before the
-    cut, so no part of a secret the cut would split survives; characters no store holds
-    replaced by U+FFFD; at most ERROR_MAX_CHARS, the cut said at its end with the whole
-    text's length. A text its sender cut (ending in :data:`SENT_CUT_NOTE`) may end inside
-    a secret that no scrub can match: the last :data:`SENT_CUT_UNSEEN_CHARS` characters
-    before that cut are never kept."""
+    """The error text a run records: scrubbed as :func:`tasks.sent_cut.received` does
+    (every secret this process knows of, every ``secret_env`` dump, and with ``marks``
+    every secret of the run and its thread, whichever process saw them, before the cut,
+    so no part of a secret the cut would split survives; of a text its sender cut, the
+    end that may hold a split secret dropped), characters no store holds replaced by
+    U+FFFD; at most ERROR_MAX_CHARS, the cut said at its end with the whole text's
+    length."""
     if error is None:
         return None
-    text, unsent = _sent_cut(error)
-    text = scrub_text(text)
-    if marks is not None:
-        text = secret_marks.scrub(text, marks, limit_chars=ERROR_MAX_CHARS)
-    text = storable(text)
-    total = len(text) + unsent
-    if unsent:
-        # what became of a secret's start that the sender's cut split is at the end
-        text = text[:max(0, len(text) - SENT_CUT_UNSEEN_CHARS)]
-    if total <= ERROR_MAX_CHARS and not unsent:
-        return text
-    note = cut_note(total)
-    return text[:ERROR_MAX_CHARS - len(note)] + note
+    got = received(error, marks, ERROR_MAX_CHARS)
+    if got.total_chars <= ERROR_MAX_CHARS and not got.sender_cut:
+        return got.text
+    note = cut_note(got.total_chars)
+    return got.text[:ERROR_MAX_CHARS - len(note)] + note
 
 
 def exited_run(code: int | None, reason: str | None) -> RunEnd:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import redis
 
 from providers.errors import BrokerUnavailable
-from providers.spec import MIN_SUBSTRING_SECRET_CHARS, REDACTED
+from providers.spec import MIN_SUBSTRING_SECRET_CHARS, REDACTED, hide_spans
 from workers.runtime import Runtime
 from workers.settings import Settings
 
@@ -152,25 +152,33 @@ def load(rt: Runtime, run_id: str, thread_id: str | None) -> Marks:
 
 
 def scrub(text: str, marks: Marks, limit_chars: int | None = None) -> str:
-    """``text`` with every window whose digest is a mark replaced by ``***`` (the longest
-    mark first at each position). With ``limit_chars``, the scan stops once that much of
-    the result is written: the rest, left as it was, is for a caller that cuts it off."""
+    """``text`` with every window whose digest is a mark hidden: every match of every
+    mark is found, those inside another too (one secret's end may be another's start),
+    and each run of overlapping or touching matches becomes one ``***``
+    (providers/spec.py ``hide_spans``). With ``limit_chars``, the scan stops once that
+    much of the result is written: the rest, left as it was, is for a caller that cuts
+    it off."""
     if not marks.by_length:
         return text
-    out: list[str] = []
-    written = i = 0
-    while i < len(text):
-        if limit_chars is not None and written > limit_chars:
-            out.append(text[i:])
-            break
+    spans: list[tuple[int, int]] = []
+    end = 0  # where the matches found so far end
+    written = 0
+    size = len(text)
+    for i in range(size):
+        # the longest match at i (by_length: longest first); inside the matches found,
+        # only one reaching past their end changes what is hidden
         for length, digests in marks.by_length.items():
-            if i + length <= len(text) and digest(marks.key, text[i:i + length]) in digests:
-                out.append(REDACTED)
-                written += len(REDACTED)
-                i += length
+            if i + length <= end:
+                break
+            if i + length <= size and digest(marks.key, text[i:i + length]) in digests:
+                if i > end or not spans:
+                    written += len(REDACTED)
+                spans.append((i, i + length))
+                end = i + length
                 break
         else:
-            out.append(text[i])
-            written += 1
-            i += 1
-    return "".join(out)
+            if i >= end:
+                written += 1
+                if limit_chars is not None and written > limit_chars:
+                    break
+    return hide_spans(text, spans)

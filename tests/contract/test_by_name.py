@@ -5,9 +5,13 @@ by a real Flower.
 - every lifecycle task, with secrets, on its success and failure paths (a retry, a failed
   acquire, a failed destroy, an unknown task name, positional arguments, a bad spec, a
   command that does not exist, a task waiting for its countdown as ``celery inspect`` and
-  Flower's worker page see it), and then not one secret value in Flower's API and task
-  pages, the worker and Flower logs, every Redis key, every store table, the result and
-  error of every task, or the operator's console;
+  Flower's worker page see it), and then, once every task has run and been acknowledged,
+  not one secret value in Flower's API and task pages, the worker and Flower logs, every
+  Redis key (task message bodies decoded), every store table, the result and error of
+  every task, or the operator's console;
+- until then a task's message does hold its ``secret_env`` in Redis (base64, not
+  encrypted: Celery needs it to deliver the task, README "Secrets"): a message waiting in
+  its queue shows it, decoded;
 - every malformed payload gets a short ``InvalidRequest`` naming what is wrong, and
   creates nothing (no run or lease row, no sandbox);
 - every run and lease task repeated is a no-op.
@@ -15,6 +19,7 @@ by a real Flower.
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import subprocess
@@ -30,6 +35,7 @@ from sqlalchemy import create_engine, inspect, text
 from models.schema import LeaseState
 from tests.contract.conftest import Contract
 from tests.e2e.conftest import eventually
+from tests.services import RedisServer
 from tests.stack import REPO
 
 pytestmark = pytest.mark.timeout(600)
@@ -236,6 +242,7 @@ def test_not_one_secret_anywhere(contract: Contract, sent: dict[str, Any]) -> No
         "flower task info": "\n".join(flower.fetch(f"/api/task/info/{i}") for i in ids),
         "client replies (results and errors)": json.dumps(sent["replies"]),
         "celery inspect scheduled": sent["inspect_scheduled"],
+        # every task done and acknowledged: no message holds a secret any more
         "redis (broker and result backend)": redis_dump(contract.redis.url),
         "store (every table)": store_dump(stack.store_url),
         "console (leases list/show)": console(contract),
@@ -256,7 +263,29 @@ def test_not_one_secret_anywhere(contract: Contract, sent: dict[str, Any]) -> No
     assert "VISIBLE" in places["store (every table)"]
 
 
+def test_a_message_waiting_in_redis_holds_its_secret_env_base64_encoded(
+        redis_server: RedisServer) -> None:
+    # What README "Secrets" says of the broker: an acquire sent to a queue no worker
+    # reads waits there with its secret_env in its body, which any reader of Redis can
+    # decode; the checks above hold only once every message is acknowledged.
+    from workers.app import app
+
+    queue = f"nobody-reads-{uuid.uuid4().hex[:8]}"
+    secret = f"waiting-{uuid.uuid4().hex}"
+    app.send_task("lease.acquire", queue=queue, kwargs={
+        "run_id": rid("waiting"), "spec": {"provider": "noop", "secret_env": {"K": secret}}})
+    try:
+        waiting = [line for line in redis_dump(redis_server.url).splitlines()
+                   if line.startswith(repr(queue.encode()))]
+        assert waiting and not any(secret in line for line in waiting if " body " not in line)
+        assert any(secret in line for line in waiting if " message body " in line), waiting
+    finally:
+        redis.Redis.from_url(redis_server.url).delete(queue)
+
+
 def redis_dump(url: str) -> str:
+    """Every key and value, and the decoded body of every task message among them (kombu
+    stores a body base64-encoded: a secret in one would not show in the raw value)."""
     client = redis.Redis.from_url(url)
     lines = []
     for key in client.scan_iter(count=1000):
@@ -274,8 +303,29 @@ def redis_dump(url: str) -> str:
         else:
             value = kind
         lines.append(f"{key!r} {value!r}")
+        raws = (value.values() if isinstance(value, dict)
+                else value if isinstance(value, list) else [value])
+        lines += [f"{key!r} message body {body!r}" for raw in raws
+                  for body in message_bodies(raw)]
     assert lines, "the result backend holds the results"
     return "\n".join(lines)
+
+
+def message_bodies(raw: object) -> list[bytes]:
+    """The decoded bodies of the kombu messages in ``raw`` (a queue's entry, or an
+    ``unacked`` entry: ``[message, exchange, routing_key]``); none if it holds none."""
+    if not isinstance(raw, bytes):
+        return []
+    try:
+        found = json.loads(raw)
+    except ValueError:
+        return []
+    bodies: list[bytes] = []
+    for part in found if isinstance(found, list) else [found]:
+        if (isinstance(part, dict) and isinstance(part.get("body"), str)
+                and (part.get("properties") or {}).get("body_encoding") == "base64"):
+            bodies.append(base64.b64decode(part["body"]))
+    return bodies
 
 
 def store_dump(url: str) -> str:

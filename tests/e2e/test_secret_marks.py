@@ -324,3 +324,30 @@ def test_marks_lost_for_a_reused_run_with_secrets_of_its_own_withhold_its_error(
     by_name("lease.destroy", lease_id=lease_id, reason=f"rotating {SECRET} now")
     ended = stack.runtime().store.get_lease(lease_id)
     assert ended.end_reason == "withheld: its run's secret marks are lost", ended.end_reason
+
+
+def test_overlapping_secrets_are_hidden_whole_in_a_finish_and_a_destroy_reason(
+        marks_stack: tuple[WorkerStack, DroppingProxy], redis_server: RedisServer) -> None:
+    # Before: "overlap OverlapAbcdefghIJKLmnop99 end" quoting two secrets that share
+    # "efgh" was stored as "overlap ***IJKLmnop99 end" (10 of the second's characters in
+    # clear): each scrub replaced one secret, then went on past it. Both scrubs are tried:
+    # the worker that ran the acquire knows the values; a new one has only the marks.
+    stack, _ = marks_stack
+    rt = stack.runtime()
+    first = stack.start_worker(concurrency=1)
+    core = uuid.uuid4().hex[:8]
+    a, b = f"Overlap{core}efgh", f"efghIJKL{core}99"
+    quoted = f"overlap Overlap{core}efghIJKL{core}99 end"
+    runs = [f"run-o{n}-{uuid.uuid4().hex[:8]}" for n in range(3)]
+    leases = [acquire(run_id, thread_id=f"th-{run_id}", secret_env={"A": a, "B": b})
+              for run_id in runs]
+    by_name("run.finish", run_id=runs[0], status="failed", exit_code=1, error=quoted)
+    all_acked(stack, redis_server)
+    stack.kill_worker(first)
+    stack.start_worker(concurrency=1)  # never saw the values: the marks only
+    by_name("run.finish", run_id=runs[1], status="failed", exit_code=1, error=quoted)
+    by_name("lease.destroy", lease_id=leases[2], reason=quoted)
+    for run_id in runs[:2]:
+        stored = rt.store.get_run(run_id)
+        assert stored is not None and stored.error == "overlap *** end", stored.error
+    assert rt.store.get_lease(leases[2]).end_reason == "overlap *** end"
