@@ -7,7 +7,8 @@ has the run's secret marks and its scrub matches only a secret it sees whole.
 :func:`sendable` (the producer's) sends the text whole when it fits, else as much as fits
 ending in :data:`SENT_CUT_NOTE`; :func:`received` (the worker's) scrubs it and, of a text
 so cut, never keeps the last :data:`SENT_CUT_UNSEEN_CHARS` characters before that cut:
-a secret the cut split is there, and no scrub can match part of one.
+a secret the cut split is there, and no scrub can match part of one (unless the run and
+its thread were given no secret).
 """
 
 from __future__ import annotations
@@ -77,14 +78,16 @@ def received(text: str, marks: secret_marks.Marks | None, keep_chars: int) -> Re
     the run and its thread (tasks/secret_marks.py, searched as far as ``keep_chars`` of
     the result reach), before any cut, so no part of a secret a cut would split
     survives; characters no store holds replaced by U+FFFD. A text ending in
-    SENT_CUT_NOTE loses its last SENT_CUT_UNSEEN_CHARS characters before it."""
+    SENT_CUT_NOTE loses its last SENT_CUT_UNSEEN_CHARS characters before it, unless
+    ``marks`` say its run and thread were given no secret (no acquire recorded any): then
+    no secret of theirs can be split, and all that was sent is kept."""
     sent, unsent = _split(text)
     sent = scrub_text(sent)
     if marks is not None:
         sent = secret_marks.scrub(sent, marks, limit_chars=keep_chars)
     sent = storable(sent)
     total = len(sent) + unsent
-    if unsent:
+    if unsent and (marks is None or marks.recorded):
         # what became of a secret's start that the sender's cut split is at the end
         sent = sent[:max(0, len(sent) - SENT_CUT_UNSEEN_CHARS)]
     return Received(sent, total, bool(unsent))

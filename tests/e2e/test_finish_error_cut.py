@@ -96,3 +96,18 @@ def test_a_secret_split_by_the_producers_cut_is_never_shown(cut_stack: WorkerSta
     body, _, tail = kept.rpartition("... [")
     assert set(body) <= {"*", "z"}, body[:300]
     assert re.fullmatch(r"\d+ characters; the rest cut\]", tail), tail
+
+
+def test_the_error_of_a_run_given_no_secret_keeps_what_was_sent(cut_stack: WorkerStack
+                                                                ) -> None:
+    # Before: a long error of emoji (12 bytes each as JSON) that the producer had to cut
+    # was stored as nothing but the note ('... [22011 characters; the rest cut]'): the
+    # worker dropped the last 32,832 characters before a sender's cut, which could hold a
+    # split secret, though the run was given none.
+    run_id = f"ct-{uuid.uuid4().hex[:10]}"
+    app.send_task("lease.acquire", kwargs={
+        "run_id": run_id, "spec": {"provider": "noop", "thread_id": f"th-{run_id}"}}).get(90)
+    error = "Traceback: " + "\U0001f600" * 22000
+    producer.finish_run(run_id, "failed", 1, error=error).get(90)
+    note = f"... [{len(error)} characters; the rest cut]"
+    assert stored_error(cut_stack, run_id) == error[:ERROR_MAX_CHARS - len(note)] + note
