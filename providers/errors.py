@@ -274,6 +274,22 @@ def unknown_backend(provider: str, backend: str, has: str) -> TerminalProviderEr
         f"{has!r} (leave backend unset)")
 
 
+# How a sweep's failed tick ends its error: a sweep is never retried, its next tick is.
+NEXT_TICK = "; the sweep's next tick tries again"
+
+
+def for_a_sweep(exc: BaseException) -> BaseException:
+    """The error a sweep's tick raises for ``exc``: what a task would do about it (retry)
+    is not what a sweep does. ``exc`` itself when it promises nothing."""
+    if isinstance(exc, RetryNoted) and exc.retry_note:
+        return type(exc)(exc.outside_a_task(), NEXT_TICK)
+    if isinstance(exc, ProviderError) and TASK_RETRIES in str(exc):
+        said = copy.copy(exc)
+        said.args = (str(exc).replace(TASK_RETRIES, NEXT_TICK), *exc.args[1:])
+        return said
+    return exc
+
+
 def cause_of(exc: BaseException) -> str:
     """What went wrong, without what a retry would do about it (the caller says that)."""
     if isinstance(exc, DestroyIncomplete):

@@ -26,7 +26,14 @@ import redis
 from models.schema import utcnow
 from models.sweep_store import SweepStore
 from providers.base import ManagedResource
-from providers.errors import ConfigError, ProviderError, StoreUnavailable
+from providers.errors import (
+    NEXT_TICK,
+    ConfigError,
+    LeasekeeperError,
+    ProviderError,
+    StoreUnavailable,
+    for_a_sweep,
+)
 from tasks.base import LeaseTask
 from workers.runtime import Runtime
 
@@ -117,6 +124,7 @@ def run_sweep(name: str, body: SweepBody, ctx: SweepContext) -> Summary:
         return _summary(name, SweepRun.DRY_RUN, body(ctx), started)
     from workers.heartbeats import (  # read by `leasekeeper status`
         mark_sweep,
+        mark_sweep_failed,
         mark_sweep_running,
         unmark_sweep_running,
     )
@@ -129,6 +137,15 @@ def run_sweep(name: str, body: SweepBody, ctx: SweepContext) -> Summary:
         mark_sweep_running(client, queue, name, ctx.rt.settings.sweep_lock_ttl_s)
         try:
             tally = body(ctx)
+        except Exception as exc:
+            said = for_a_sweep(exc)
+            error = (str(said).replace(NEXT_TICK, "") if isinstance(said, LeasekeeperError)
+                     else f"{type(said).__name__}: {said}")
+            mark_sweep_failed(client, queue, name, error)
+            if said is exc:
+                raise
+            raise said from None
+        else:
             summary = _summary(name, SweepRun.RAN, tally, started)
             mark_sweep(client, queue, summary)
         finally:

@@ -71,10 +71,11 @@ def sweep_ticks(settings: Settings, client: redis.Redis[bytes]) -> list[dict[str
     """Each sweep's last tick; late when older than three intervals (or, never run, when
     beat started longer ago than that), unless a tick is running now (it holds the sweep's
     lock: a long one is working, not late)."""
-    from workers.heartbeats import beat_started, last_sweeps, running_sweeps
+    from workers.heartbeats import beat_started, last_failures, last_sweeps, running_sweeps
 
     now = time.time()
     ticks = last_sweeps(client, settings.task_queue, list(SWEEPS))
+    failures = last_failures(client, settings.task_queue, list(SWEEPS))
     running = running_sweeps(client, settings.task_queue, list(SWEEPS))
     started = beat_started(client, settings.task_queue)
     rows = []
@@ -86,10 +87,14 @@ def sweep_ticks(settings: Settings, client: redis.Redis[bytes]) -> list[dict[str
             since is None or now - since > STALE_INTERVALS * interval)
         counts = {k: v for k, v in (tick or {}).items()
                   if k not in {"sweep", "run", "took_ms", "at"}}
+        failure = failures[name]  # only when newer than the last tick that ran
+        if failure is not None and at is not None and float(failure["at"]) <= at:
+            failure = None
         rows.append({"sweep": name, "interval_s": interval, "last_tick_at": at,
                      "ago_s": None if at is None else round(now - at, 1), "late": late,
                      "running_since": running[name],
-                     "took_ms": (tick or {}).get("took_ms"), "counts": counts})
+                     "took_ms": (tick or {}).get("took_ms"), "counts": counts,
+                     "last_failure": failure})
     return rows
 
 
@@ -167,9 +172,13 @@ def collect(settings: Settings) -> tuple[dict[str, Any], Verdict]:
                                     "(celery -A workers.app beat)")
         for tick in report["sweeps"]:
             if tick["late"] and beat_at is not None:
+                failed = tick["last_failure"]
+                why = ("are the workers busy?" if failed is None else
+                       f"its last tick failed {human_duration(time.time() - failed['at'])} "
+                       f"ago: {failed['error']}")
                 verdict.problems.append(
                     f"{tick['sweep']} has not run within {STALE_INTERVALS} intervals "
-                    f"({STALE_INTERVALS * tick['interval_s']:g} s): are the workers busy?")
+                    f"({STALE_INTERVALS * tick['interval_s']:g} s): {why}")
         report["workers"] = sorted(served)
         if not served:
             verdict.problems.append(no_worker(None, queue))
@@ -239,6 +248,8 @@ def _print(report: dict[str, Any]) -> None:
               f"{t['took_ms']} ms" if t["took_ms"] is not None else None,
               (f"a tick running for {human_duration(time.time() - t['running_since'])}; "
                if t.get("running_since") else "")
+              + (f"last tick FAILED {human_duration(time.time() - t['last_failure']['at'])} "
+                 "ago (verdict below); " if t.get("last_failure") else "")
               + (", ".join(f"{k}={v}" for k, v in t["counts"].items() if v) or "nothing")]
              for t in report["sweeps"]])))
     broker = report.get("broker")

@@ -86,6 +86,24 @@ def mark_sweep(client: redis.Redis[bytes], queue: str, summary: dict[str, Any]) 
         client.set(sweep_key(queue, str(summary["sweep"])), json.dumps(tick), ex=KEY_TTL_S)
 
 
+def failed_key(queue: str, sweep: str) -> str:
+    return f"leasekeeper:{queue}:sweep:{sweep}:failed"
+
+
+def mark_sweep_failed(client: redis.Redis[bytes], queue: str, sweep: str, error: str) -> None:
+    """A tick that raised: when, and why (bounded), for `leasekeeper status` to say."""
+    failure = {"at": time.time(), "error": error[:300]}
+    with contextlib.suppress(redis.RedisError):
+        client.set(failed_key(queue, sweep), json.dumps(failure), ex=KEY_TTL_S)
+
+
+def last_failures(client: redis.Redis[bytes], queue: str, sweeps: list[str]
+                  ) -> dict[str, dict[str, Any] | None]:
+    raws = client.mget([failed_key(queue, name) for name in sweeps])
+    return {name: (json.loads(raw) if raw else None) for name, raw in zip(sweeps, raws,
+                                                                         strict=True)}
+
+
 def last_sweeps(client: redis.Redis[bytes], queue: str, sweeps: list[str]
                 ) -> dict[str, dict[str, Any] | None]:
     raws = client.mget([sweep_key(queue, name) for name in sweeps])

@@ -116,3 +116,53 @@ def test_acquires_in_flight_while_postgresql_restarts_all_get_their_sandbox(
         local = stack.runtime().provider("local")
         for resource in local.list_managed():  # never leave a process behind
             local.destroy(LeaseHandle(resource.name, resource.backend, {}))
+
+
+def test_a_sweep_failing_on_a_stopped_store_says_so_in_its_error_and_in_status(
+        tmp_path: Path, redis_server: RedisServer, own_postgres: PostgresServer) -> None:
+    # Before: a tick on an unavailable store failed with "...; the task will retry" (a sweep
+    # is never retried: its next tick is), and `leasekeeper status` said only "sweep.X has
+    # not run within 3 intervals: are the workers busy?", though the worker was idle and each
+    # tick failed on the store.
+    import json
+    import sys
+    import time
+
+    import redis as redis_client
+
+    from workers.heartbeats import mark_beat
+
+    store_url = own_postgres.create_database("lk_sweepfail")
+    upgrade(store_url)
+    queue = f"sweepfail-{uuid.uuid4().hex[:8]}"
+    stack = WorkerStack(name=queue, store_url=store_url, root=tmp_path,
+                        broker_url=redis_server.url,
+                        extra_env={"LEASEKEEPER_TASK_QUEUE": queue,
+                                   "LEASEKEEPER_REAP_RUNS_INTERVAL_S": "1"})
+    client = create_app(stack.settings())
+    marks = redis_client.Redis.from_url(redis_server.url)
+    try:
+        stack.await_worker(stack.spawn_worker(concurrency=1), client)
+        own_postgres.stop()
+        # when a tick runs on the stopped store; then it fails saying the next tick retries
+        with pytest.raises(Exception, match="unavailable") as failed:
+            client.send_task("sweep.reap_runs").get(60)
+        text = str(failed.value)
+        assert "the task will retry" not in text, text
+        assert text.endswith("; the sweep's next tick tries again"), text
+        # and status, beat having started long ago, names the failure, not busy workers
+        mark_beat(marks, queue, 30, started=time.time() - 3600)
+        done = subprocess.run([sys.executable, "-m", "workers.cli", "status", "--json"],
+                              env=stack.env, capture_output=True, text=True, timeout=120,
+                              check=False)
+        report = json.loads(done.stdout)
+        problems = report["verdict"]["problems"]
+        reap = [p for p in problems if p.startswith("sweep.reap_runs")]
+        assert len(reap) == 1, problems
+        assert "its last tick failed" in reap[0] and "unavailable" in reap[0], reap
+        assert "are the workers busy" not in reap[0], reap
+        row = next(r for r in report["sweeps"] if r["sweep"] == "sweep.reap_runs")
+        assert row["last_failure"] is not None and "unavailable" in row["last_failure"]["error"]
+    finally:
+        marks.close()
+        stack.stop()
