@@ -241,10 +241,17 @@ def check_store(url: str) -> None:
                               f"{', '.join(where.heads)}: {UPGRADE}")
 
 
+# A SQLite store's disk with less free than this takes no more commits: a lifecycle pair
+# writes about 160 KiB of WAL, and a checkpoint copies pages back into the file.
+SQLITE_MIN_FREE_BYTES = 1024 * 1024
+
+
 def check_store_writable(url: str) -> None:
     """The store takes writes: an UPDATE that matches no row, rolled back. A replica, a
     database with default_transaction_read_only=on, a read-only SQLite file or a user
-    without UPDATE refuse it (ConfigError, naming the fix); reads alone cannot tell."""
+    without UPDATE refuse it (ConfigError, naming the fix); reads alone cannot tell. A
+    SQLite store's disk that is full fails it too (StoreUnavailable: freeing space fixes
+    it): that UPDATE needs no free page, and every real write fails."""
     from sqlalchemy import text
 
     engine = create_engine(url, poolclass=NullPool, connect_args=_connect_args(url))
@@ -271,6 +278,21 @@ def check_store_writable(url: str) -> None:
         raise store_error(url, exc, "cannot write to") from None
     finally:
         engine.dispose()
+    _check_sqlite_disk(url)
+
+
+def _check_sqlite_disk(url: str) -> None:
+    path = sqlite_store_file(url)
+    if path is None or not path.is_file():
+        return
+    disk = os.statvfs(path.parent)
+    # root may write into the blocks reserved for it; anyone else only into what is left
+    free = (disk.f_bfree if os.geteuid() == 0 else disk.f_bavail) * disk.f_frsize
+    if free < SQLITE_MIN_FREE_BYTES:
+        raise StoreUnavailable(
+            f"the disk holding the store {path} is full ({free} bytes free): every write "
+            "fails with 'database or disk is full'; free space there (or move "
+            "LEASEKEEPER_VAR_DIR / LEASEKEEPER_STORE_URL to a disk with room)")
 
 
 def store_fit_to_start(process: str, url: str, *, writes: bool) -> None:
