@@ -185,6 +185,16 @@ def _worker_refuses_a_broker_password_refused(**_: Any) -> None:
 
 
 @beat_init.connect
+def _beat_reads_no_results(sender: Any = None, **_: Any) -> None:
+    # Beat sends the sweeps and never reads a result; Celery's Redis backend subscribes
+    # the sender to each task's result channel anyway, and while Redis is away it logged
+    # CRITICAL "Retry limit exceeded while trying to reconnect to the Celery result store
+    # backend. The Celery application must be restarted." for each tick (it need not be).
+    backend = (sender.app if sender is not None else app).backend
+    backend.on_task_call = lambda producer, task_id: None
+
+
+@beat_init.connect
 def _beat_refuses_a_broker_password_refused(**_: Any) -> None:
     from workers.preflight import refuse_a_broker_that_refuses_us
 
