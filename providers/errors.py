@@ -170,9 +170,16 @@ class ProviderError(LeasekeeperError):
     ``args``, so an error Celery rebuilds from the result backend has it as None."""
 
     status: int | None = None
+    # The provider knows this call created nothing (its very first create was refused): an
+    # acquire failing so has nothing to clean up. Like ``status``, not in ``args``.
+    nothing_created: bool = False
 
     def with_status(self, status: int | None) -> Self:
         self.status = status
+        return self
+
+    def created_nothing(self) -> Self:
+        self.nothing_created = True
         return self
 
     def without_retry_note(self) -> str:

@@ -435,6 +435,15 @@ def _cleanup_failed(rt: Runtime, lease_id: str, cause: ProviderError,
         rt.store.finish_run(lease.run_id, RunStatus.FAILED, None,
                             clean_error(f"acquire failed: {what}"),
                             reclaim_due=False, claim_until=None)
+    if cause.nothing_created and marked is not None:
+        # The provider knows this acquire made nothing (its first create was refused): no
+        # destroy, which would fail the same way (no rights there, no namespace) and leave
+        # the lease pending_cleanup for a person over nothing. What an earlier attempt of
+        # the lease may have left carries its labels: sweep.orphans finds it.
+        rt.store.move(lease_id, {LeaseState.PENDING_CLEANUP}, LeaseState.DESTROYED,
+                      "destroyed (nothing was created): acquire failed", task_id,
+                      next_cleanup_at=None)
+        return Cleanup.CLEANED
     done = destroy_lease(rt, lease_id, "acquire failed", task_id)
     if done.error is not None:
         # A provider that cleans up after itself (kubernetes) already raised this error

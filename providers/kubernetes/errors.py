@@ -110,12 +110,23 @@ class Permission:
             return replace(self, verb=match.group(1))
         return self
 
-    def missing(self, namespace: str) -> str:
+    def missing(self, namespace: str, user: str = "") -> str:
+        """What to grant. A refused create is the first request of an acquire: the
+        commonest cause is a namespace the worker's Role is not bound in at all (no
+        RoleBinding there), which the 403 alone does not tell from a Role without the
+        verb: both are said, the binding first."""
         group = f'"{self.group}"' if self.group else '"" (core)'
-        return (f'the worker\'s identity lacks the RBAC permission to "{self.verb}" '
-                f'"{self.resource}" (API group '
-                f"{group}) in namespace {namespace}: add verb \"{self.verb}\" on resource "
-                f'"{self.resource}" to the worker\'s Role (deploy/rbac/role.yaml) and retry')
+        who = ""
+        grant = (f'add verb "{self.verb}" on resource "{self.resource}" to the worker\'s Role '
+                 "(deploy/rbac/role.yaml) and retry")
+        if self.verb == "create":
+            who = f" ({user})" if user else ""
+            grant = (f"if the worker's Role is not bound in namespace {namespace}, it may not "
+                     "create anything there: bind the Role in that namespace "
+                     "(deploy/rbac/rolebinding.yaml), or set LEASEKEEPER_KUBE_NAMESPACE to the "
+                     f"namespace it is bound in; if it is bound, {grant}")
+        return (f'the worker\'s identity{who} lacks the RBAC permission to "{self.verb}" '
+                f'"{self.resource}" (API group {group}) in namespace {namespace}: {grant}')
 
 
 _REFUSED = re.compile(r'cannot ([a-z]+) resource "([^"]+)"')
@@ -139,7 +150,21 @@ def describe_api_exception(action: str, exc: ApiException, *, sensitive: bool,
     body = _status_body(exc)
     return _describe(action, int(exc.status or 0), str(body.get("reason") or exc.reason or ""),
                      str(body.get("message") or ""), permission=permission,
-                     namespace=namespace, sensitive=sensitive)
+                     namespace=namespace, sensitive=sensitive,
+                     missing_namespace=missing_namespace(body))
+
+
+def missing_namespace(body: Mapping[str, Any]) -> str | None:
+    """The namespace a 404 Status says does not exist (``details.kind`` "namespaces"),
+    else None."""
+    details = body.get("details") or {}
+    if body.get("code") == 404 and isinstance(details, dict) \
+            and details.get("kind") == "namespaces":
+        return str(details.get("name") or "")
+    return None
+
+
+_USER = re.compile(r'\bUser "([^"]+)"')
 
 
 @dataclass(frozen=True)
@@ -174,18 +199,24 @@ def forbidden(status: int, message: str) -> Forbidden | None:
 
 
 def _describe(action: str, status: int, reason: str, message: str, *,
-              permission: Permission | None, namespace: str, sensitive: bool = False) -> str:
+              permission: Permission | None, namespace: str, sensitive: bool = False,
+              missing_namespace: str | None = None) -> str:
     """``message`` is the API server's; with ``sensitive`` it only decides the hint and is
-    not quoted (a recognised 403 is named by what it is)."""
+    not quoted (a recognised 403 is named by what it is). ``missing_namespace``: the
+    namespace a 404 says does not exist."""
     reason, message = reason.strip(), message.strip()
     hint = _HINTS.get(status) or (
         "the API server failed" + TASK_RETRIES if status >= 500 else
         "unexpected answer from the API server")
     other = forbidden(status, message)
-    if other is not None:
+    if status == 404 and missing_namespace is not None:
+        hint = (f'namespace "{missing_namespace or namespace}" does not exist: create it, or '
+                "set LEASEKEEPER_KUBE_NAMESPACE to the namespace the worker's Role is bound in")
+    elif other is not None:
         hint = other.hint
     elif status == 403 and permission is not None:
-        hint = permission.refused(message).missing(namespace)
+        user = _USER.search(message)
+        hint = permission.refused(message).missing(namespace, user.group(1) if user else "")
     detail = f"HTTP {status} {reason}".strip()
     if message and not sensitive:
         detail += f": {message[:300]}"

@@ -26,6 +26,7 @@ from providers.kubernetes.waits import WaitOutcome, wait_for
 log = logging.getLogger("leasekeeper.kubernetes")
 
 CREATED, REFUSED = "SuccessfulCreate", "FailedCreate"
+_CREATED_POD = "Created pod: "  # how the Job controller's SuccessfulCreate names the pod
 
 # What a FailedCreate message means beyond FORBIDDEN_NOT_RBAC's (quota, webhook, a
 # namespace being deleted): needle in the API server's message -> what to fix. Terminal:
@@ -51,20 +52,35 @@ class JobStart(StrEnum):
 @dataclass(frozen=True)
 class Verdict:
     outcome: JobStart
-    message: str = ""  # the FailedCreate Event's message
+    message: str = ""  # the FailedCreate (or SuccessfulCreate) Event's message
+
+    @property
+    def pod(self) -> str | None:
+        """The pod a STARTED verdict's Event names (the Job controller says ``Created pod:
+        <name>``), if it names one."""
+        said = self.message.partition(_CREATED_POD)[2].strip()
+        return said if self.outcome is JobStart.STARTED and said else None
 
     def error(self, job_name: str) -> ProviderError:
-        """The acquire's error for a REFUSED verdict: transient for a used-up quota (it
-        frees up), terminal otherwise; it quotes the controller and says what to fix."""
-        said = " ".join(self.message.split())[:300]
-        text = f"kubernetes: the Job controller could not create the pod of Job {job_name}"
-        known = forbidden(403, said)
-        if known is not None:
-            error_type = TransientProviderError if known.transient else TerminalProviderError
-            return error_type(f"{text} ({said}); {known.hint}")
-        hint = next((h for needle, h in REFUSAL_HINTS if needle in said),
-                    "fix what the message names; the Job and its Secret were removed")
-        return TerminalProviderError(f"{text} ({said}); {hint}")
+        """The acquire's error for a REFUSED verdict (``pod_refused``)."""
+        return pod_refused(f"the Job controller could not create the pod of Job {job_name}",
+                           self.message, "the Job and its Secret were removed")
+
+
+def pod_refused(what: str, message: str, removed: str) -> ProviderError:
+    """The acquire's error for a workload whose pod the API server refused (``message``,
+    its words, as the workload's controller reported them): transient for a used-up quota
+    (it frees up), terminal otherwise; it quotes the API server and says what to fix
+    (``removed``: what the acquire removed, said when nothing more specific is known)."""
+    said = " ".join(message.split())[:300]
+    text = f"kubernetes: {what}"
+    known = forbidden(403, said)
+    if known is not None:
+        error_type = TransientProviderError if known.transient else TerminalProviderError
+        return error_type(f"{text} ({said}); {known.hint}")
+    hint = next((h for needle, h in REFUSAL_HINTS if needle in said),
+                f"fix what the message names; {removed}")
+    return TerminalProviderError(f"{text} ({said}); {hint}")
 
 
 class _Said:
@@ -78,7 +94,7 @@ def _verdict_of(events: list[Obj]) -> Verdict | None:
     refused one and made the next), or None if they say neither."""
     reasons = {str(event.get("reason")): event for event in events}
     if CREATED in reasons:
-        return Verdict(JobStart.STARTED)
+        return Verdict(JobStart.STARTED, str(reasons[CREATED].get("message") or ""))
     if REFUSED in reasons:
         return Verdict(JobStart.REFUSED, str(reasons[REFUSED].get("message") or ""))
     return None

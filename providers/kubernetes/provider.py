@@ -76,7 +76,7 @@ from providers.kubernetes.errors import (
     KubeCommandInterrupted,
     KubeNotFound,
 )
-from providers.kubernetes.job_start import JobStart, job_start
+from providers.kubernetes.job_start import JobStart, job_start, pod_refused
 from providers.kubernetes.manifests import (
     ANNOTATION_LEASE_ID,
     CONTAINER_NAME,
@@ -113,6 +113,7 @@ from providers.kubernetes.status import (
     JobPhase,
     SandboxPhase,
     belongs_to,
+    container_waiting,
     controlled_by,
     controlled_by_other,
     controller_said,
@@ -126,6 +127,7 @@ from providers.kubernetes.status import (
     name_of,
     owner_uids,
     pick_pod,
+    pod_cannot_start,
     pod_not_running_reason,
     pod_phase,
     sandbox_pod_hint,
@@ -288,24 +290,27 @@ class KubernetesProvider:
                                                            request.timeout_s)
                 case Backend.JOB:
                     # Pending is fine for a Job (the seed's resume check says so), but a
-                    # pod the API server refuses is not.
-                    self._check_job_start(workload.obj, deadline, request.name)
+                    # pod the API server refuses is not. The pod it made is recorded: a
+                    # resume check that finds another one knows the command started again.
+                    info["pod_name"] = self._check_job_start(workload.obj, deadline,
+                                                             request.name)
         except Exception as exc:
             self._cleanup_failed_acquire(request.lease_id, LeaseHandle(request.name,
                                                                        backend.value, info), exc)
             raise
         return Acquired(workload.outcome, backend.value, info)
 
-    def _check_job_start(self, job: Obj, deadline: float, name: str) -> None:
+    def _check_job_start(self, job: Obj, deadline: float, name: str) -> str | None:
         """Wait briefly (``job_pod_wait_s``, within the acquire's deadline; 0: not checked)
         for the Job controller's word on the Job's pod (job_start.py); raise if the API
-        server refused it."""
+        server refused it. The name of the pod it made, if it said so."""
         if self.job_pod_wait_s <= 0:
-            return  # LEASEKEEPER_KUBE_JOB_POD_WAIT_S=0
+            return None  # LEASEKEEPER_KUBE_JOB_POD_WAIT_S=0
         verdict = job_start(self.api, job, min(self.job_pod_wait_s,
                                                max(deadline - self._clock(), 0.0)), self._clock)
         if verdict.outcome is JobStart.REFUSED:
             raise verdict.error(name)
+        return verdict.pod
 
     def _meta(self, backend: Backend, workload: Obj, pod_name: str | None) -> Meta:
         return {
@@ -329,12 +334,19 @@ class KubernetesProvider:
         # A 409 then a 404: the one holding the name went in between (the garbage collector
         # finishing the Foreground delete of an earlier attempt's). The name is free: create
         # again, a few times within the acquire's deadline; then a retry's matter.
-        for _ in range(_CREATE_ATTEMPTS):
+        for attempt in range(_CREATE_ATTEMPTS):
             try:
                 return _Workload(self.api.create_workload(backend, manifest),
                                  AcquireOutcome.CREATED)
             except KubeAlreadyExists:
                 pass
+            except ProviderError as exc:
+                # The first request, refused as not permitted (403) or with nothing to make
+                # it in (404: no such namespace, or no such API): nothing was made, so the
+                # acquire's cleanup has nothing to do (it could not list or delete either).
+                if attempt == 0 and exc.status in (403, 404):
+                    exc.created_nothing()
+                raise
             try:
                 existing = self.api.get_workload(backend, identity.name)
             except KubeNotFound:
@@ -427,6 +439,10 @@ class KubernetesProvider:
             case WaitOutcome.SETTLED:
                 settled = result.obj or sandbox
         state = sandbox_state(settled)
+        if state.refused_pod:
+            raise pod_refused(f"the agent-sandbox controller could not create the pod of "
+                              f"Sandbox {name}", state.refused_pod,
+                              "the Sandbox and its Secret were removed")
         match state.phase:
             case SandboxPhase.FAILED:
                 raise TerminalProviderError(f"kubernetes: {state.reason}")
@@ -546,7 +562,8 @@ class KubernetesProvider:
             case Backend.SANDBOX_CR:
                 return self._resume_sandbox(api, handle.name, recorded, timeout_s)
             case Backend.JOB:
-                return self._resume_job(api, handle.name, recorded)
+                return self._resume_job(api, handle.name, recorded,
+                                        handle.meta.get("pod_name"))
 
     def _resume_sandbox(self, api: KubeApi, name: str, recorded: object,
                         timeout_s: float) -> ResumeResult:
@@ -589,7 +606,8 @@ class KubernetesProvider:
         return ResumeResult.resumable(pod_name=name_of(lookup.pod), phase="Running",
                                       namespace=api.namespace)
 
-    def _resume_job(self, api: KubeApi, name: str, recorded: object) -> ResumeResult:
+    def _resume_job(self, api: KubeApi, name: str, recorded: object,
+                    pod_name: object) -> ResumeResult:
         try:
             job = api.get_workload(Backend.JOB, name)
         except KubeNotFound:
@@ -617,10 +635,43 @@ class KubernetesProvider:
                     if verdict.outcome is JobStart.REFUSED:
                         return ResumeResult.not_resumable(
                             f"the pod of Job {name} was refused: {verdict.message[:300]}")
-                return ResumeResult.resumable(
-                    pod_name=name_of(pod) if pod else None,
-                    phase="Running" if phase is JobPhase.RUNNING else "Pending",
-                    namespace=api.namespace)
+                    return ResumeResult.resumable(pod_name=None, phase="Pending",
+                                                  namespace=api.namespace)
+                return self._resume_job_pod(api, name, pod, pod_name, phase)
+
+    def _resume_job_pod(self, api: KubeApi, name: str, pod: Obj, recorded_pod: object,
+                        phase: JobPhase) -> ResumeResult:
+        """The Job's pod, in the words ``_resume_sandbox`` uses for a Sandbox's
+        (``pod_not_running_reason``); but Pending is fine for a Job (it may still be
+        scheduled or pulling), unless it can never start (``pod_cannot_start``: a missing
+        Secret, the lease's own checked by one more read; an image no retry pulls). A pod
+        that ended or is going while the Job is still active is reported as before: the
+        Job's own phase (which ``phase`` reports, as the seed does) follows within moments.
+        A pod other than the one acquire recorded means the Job controller replaced it:
+        the command started again; the details say so (``restarted``)."""
+        cannot = pod_cannot_start(pod)
+        if cannot is not None and not self._secret_there(api, name, pod):
+            return ResumeResult.not_resumable(f"{cannot}: it cannot start")
+        details: dict[str, object] = {}
+        if recorded_pod and recorded_pod != name_of(pod):
+            details = {"restarted": True, "recorded_pod_name": recorded_pod}
+        return ResumeResult.resumable(
+            pod_name=name_of(pod), phase=phase.value, namespace=api.namespace, **details)
+
+    @staticmethod
+    def _secret_there(api: KubeApi, name: str, pod: Obj) -> bool:
+        """For a pod waiting on CreateContainerConfigError: whether the lease's Secret
+        exists now (the kubelet then starts the container on its next try: a pod made
+        before acquire created the Secret waits so for a moment). False for any other
+        reason it cannot start."""
+        waiting = container_waiting(pod)
+        if waiting is None or waiting[0] != "CreateContainerConfigError":
+            return False
+        try:
+            api.get_secret_metadata(secret_name(name))
+        except KubeNotFound:
+            return False
+        return True
 
     # -- claim (warm pools) ----------------------------------------------------------------
     def claim(self, handle: LeaseHandle, request: ClaimRequest) -> Claimed:

@@ -36,8 +36,15 @@ PodT = TypeVar("PodT", bound=Mapping[str, Any])
 TERMINAL_READY_REASONS: frozenset[str] = frozenset({"SandboxExpired"})
 _FAILED_REASON = re.compile("failed", re.IGNORECASE)
 # The controller could not create the sandbox's pod because the API server refused it as
-# invalid (422: `Pod "x" is invalid: ...`): the same pod is refused on every try.
-_REFUSED_POD = re.compile(r'\bis invalid: ')
+# invalid (422: `Pod "x" is invalid: ...`) or forbidden by admission (403: `pods "x" is
+# forbidden: ...`: a LimitRange, a used-up ResourceQuota, PodSecurity): the same pod is
+# refused on every try (a quota frees up, but not while the controller retries it).
+_REFUSED_POD = re.compile(r'\bis (?:invalid|forbidden): ')
+# A container waiting for one of these cannot start until someone changes something: a
+# missing Secret / ConfigMap (CreateContainerConfigError), an image name that cannot be
+# pulled by any retry.
+CANNOT_START_REASONS: frozenset[str] = frozenset({
+    "CreateContainerConfigError", "InvalidImageName", "ErrImageNeverPull"})
 # A Job Failed for one of these reasons was stopped by Kubernetes before its command
 # exited: it has ended, and it has no exit code of its own (its pods were killed).
 STOPPED_JOB_REASONS: frozenset[str] = frozenset({"DeadlineExceeded"})
@@ -58,6 +65,7 @@ class SandboxPhase(StrEnum):
 class SandboxState:
     phase: SandboxPhase
     reason: str = ""
+    refused_pod: str = ""  # the API server's message refusing the Sandbox's pod, if it did
 
 
 class JobPhase(StrEnum):
@@ -179,9 +187,13 @@ def sandbox_state(sandbox: Obj) -> SandboxState:
         status, reason = ready.get("status"), str(ready.get("reason") or "")
         if status == "True":
             return SandboxState(SandboxPhase.READY)
+        message = str(ready.get("message") or "")
+        if status == "False" and _REFUSED_POD.search(message):
+            said = status_message(message)
+            return SandboxState(SandboxPhase.FAILED,
+                                f"Sandbox {name} is not Ready ({reason}: {said})", said)
         if status == "False" and (_FAILED_REASON.search(reason)
-                                  or reason in TERMINAL_READY_REASONS
-                                  or _REFUSED_POD.search(str(ready.get("message") or ""))):
+                                  or reason in TERMINAL_READY_REASONS):
             return SandboxState(SandboxPhase.FAILED,
                                 f"Sandbox {name} is not Ready ({_describe(ready)})")
         return SandboxState(SandboxPhase.PENDING,
@@ -190,6 +202,19 @@ def sandbox_state(sandbox: Obj) -> SandboxState:
         return SandboxState(SandboxPhase.READY)
     return SandboxState(SandboxPhase.PENDING,
                         f"phase {phase}" if phase else "no Ready condition yet")
+
+
+def status_message(text: str) -> str:
+    """The ``message`` of a Kubernetes Status a controller quoted as raw JSON in ``text``
+    (``creating the pod failed: {"kind":"Status",...,"message":"pods \\"x\\" is
+    forbidden: ..."}``), else ``text`` itself, its whitespace collapsed."""
+    start = text.find("{")
+    if start >= 0:
+        with contextlib.suppress(ValueError):
+            status, _ = json.JSONDecoder().raw_decode(text[start:])
+            if isinstance(status, dict) and status.get("message"):
+                return " ".join(str(status["message"]).split())
+    return " ".join(text.split())
 
 
 def job_phase(job: Obj) -> JobPhase:
@@ -287,14 +312,40 @@ def pod_phase(pod: Obj) -> str | None:
 
 
 def pod_not_running_reason(pod: Obj) -> str | None:
-    """None when the pod is Running and not terminating, else why it is not usable."""
+    """None when the pod is Running and not terminating, else why it is not usable (with
+    the reason its container waits for, if it says one)."""
     name = name_of(pod)
     if is_terminating(pod):
         return f"Pod {name} is terminating"
     phase = pod_phase(pod)
     if phase != "Running":
-        return f"Pod {name} is {phase or 'in an unknown phase'}"
+        waiting = container_waiting(pod)
+        said = f" ({waiting[0]}: {waiting[1]})" if waiting and waiting[1] else (
+            f" ({waiting[0]})" if waiting else "")
+        return f"Pod {name} is {phase or 'in an unknown phase'}{said}"
     return None
+
+
+def container_waiting(pod: Obj, container: str = CONTAINER_NAME) -> tuple[str, str] | None:
+    """(reason, message) of ``container`` (or the only container) while it waits to start
+    (``state.waiting``), if it says a reason."""
+    statuses = [s for s in (pod.get("status") or {}).get("containerStatuses") or []
+                if isinstance(s, dict)]
+    for status in [s for s in statuses if s.get("name") == container] or statuses[:1]:
+        waiting = (status.get("state") or {}).get("waiting") or {}
+        if waiting.get("reason"):
+            return str(waiting["reason"]), " ".join(str(waiting.get("message") or "").split())
+    return None
+
+
+def pod_cannot_start(pod: Obj) -> str | None:
+    """Why a Pending pod can never start by itself (its container waits for one of
+    ``CANNOT_START_REASONS``): ``pod_not_running_reason``'s words; None otherwise."""
+    waiting = container_waiting(pod)
+    if is_terminating(pod) or pod_phase(pod) != "Pending" or waiting is None \
+            or waiting[0] not in CANNOT_START_REASONS:
+        return None
+    return pod_not_running_reason(pod)
 
 
 def container_exit_code(pod: Obj, container: str = CONTAINER_NAME) -> int | None:
