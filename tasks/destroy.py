@@ -167,10 +167,10 @@ def _without_marked_secrets(rt: Runtime, lease_id: str, reason: str) -> str:
     (retried) when the marks cannot be read, so a reason is never stored unsearched."""
     if (reason == DEFAULT_REASON or len(reason) < MIN_SUBSTRING_SECRET_CHARS
             or operators_own(reason)):
-        return clean_reason(reason)
+        return reason  # destroy_lease cleans it (clean_reason), as every reason
     lease = rt.store.get_lease(lease_id)
     if lease.run_id is None and lease.thread_id is None:
-        return clean_reason(reason)  # a pool member no run has had: no secret given to it
+        return reason  # a pool member no run has had: no secret given to it
     marks = secret_marks.load(rt, lease.run_id or "", lease.thread_id)
     if secret_marks.lost(rt, marks, lease.spec, lease.run_id, lease_id):
         return "withheld: its run's secret marks are lost"  # fits END_REASON_MAX_CHARS
