@@ -380,6 +380,8 @@ def test_request_counts_per_operation(kenv: KubeEnv, capsys: pytest.CaptureFixtu
     # create Job, create Secret, list the Job's Events (and watch them while the Job
     # controller has not yet said whether it made the pod)
     assert counts["acquire job"] in (3, 4)
-    assert counts["resume_check live job"] == 2  # read Job, list pods
+    # read Job, list pods; and the Secret, when the pod still waits on it (made before
+    # acquire created the Secret, it shows CreateContainerConfigError for a moment)
+    assert counts["resume_check live job"] in (2, 3)
     assert counts["destroy job"] == 4
     assert counts["list_managed"] == 4
