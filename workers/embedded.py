@@ -333,7 +333,11 @@ def embedded_backend(settings: Settings, extra_env: dict[str, str],
         flower_url = f"http://127.0.0.1:{flower_port}"
         from workers.observers import start_observers
 
-        seen = start_observers(sup, settings, env, auth, flower_url)
+        # The exporter and the console are not restarted when a demo ends: they start on
+        # the backend's own settings, not the demo's short sweep intervals (the exporter
+        # would report those, and SweepStalled fire for every sweep, all session).
+        lasting = {k: v for k, v in env.items() if k not in extra_env}
+        seen = start_observers(sup, settings, lasting, auth, flower_url)
         backend = Embedded(env, broker, flower_url, auth, sup.logdir, notes, sup,
                            seen.metrics_url, seen.console_url)
         sup.wait_ready({**_probes(backend, env, node), **seen.probes}, READY_TIMEOUT_S,

@@ -19,6 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.e2e.conftest import HIDDEN_PACKAGES, cli_env, eventually, leasekeeper
@@ -192,6 +193,16 @@ def test_after_the_demo_the_sweeps_run_on_their_normal_intervals(tmp_path: Path)
                 assert ticks[tick["sweep"]] is not None
                 assert tick["last_tick_at"] - ticks[tick["sweep"]] >= 0.9 * tick["interval_s"]
         assert {t["sweep"]: t["interval_s"] for t in after["sweeps"]}["sweep.reap_runs"] == 60
+        # and the exporter says the same intervals: it kept the demo's 1-2 s before, so
+        # SweepStalled (3 intervals) would have fired for every sweep for the whole session
+        port = re.search(r"metrics: http://127\.0\.0\.1:(\d+)/metrics", text)
+        assert port, text
+        user, password = (tmp_path / ".var" / "flower-credentials").read_text().strip().split(
+            ":", 1)
+        scraped = httpx.get(f"http://127.0.0.1:{port.group(1)}/metrics", auth=(user, password),
+                            timeout=10).text
+        assert ('leasekeeper_sweep_interval_seconds{sweep="sweep.reap_runs"} 60.0'
+                in scraped), scraped[:3000]
 
 
 @pytest.mark.timeout(600)
