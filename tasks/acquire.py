@@ -476,7 +476,8 @@ def _safe(exc: ValueError) -> str:
     """A validation message without input values (they may be secrets)."""
     errors = getattr(exc, "errors", None)
     if callable(errors):
-        return "; ".join(_problem(".".join(map(str, e["loc"])) or "spec", e["msg"])
+        return "; ".join(_problem(".".join(map(str, e["loc"])) or "spec",
+                                  e["msg"].removeprefix("Value error, "))
                          for e in errors(include_input=False))
     return str(exc)
 
