@@ -126,7 +126,7 @@ def _up(settings: Settings, demo: int, exit_after_demo: bool, signals: StopSigna
     demo_env = {f"LEASEKEEPER_{k}": v for k, v in DEMO_SETTINGS.items()
                 if f"LEASEKEEPER_{k}" not in os.environ} if demo else {}  # yours win
     say("starting " + ("Redis, " if not settings.broker_url else "")
-        + "the store, a worker, beat and Flower ...")
+        + "the store, a worker, beat, Flower, the metrics exporter and the lease console ...")
     try:
         with embedded_backend(settings, demo_env,
                               lambda name, took: say(f"  {name} ready ({took:.1f} s)")) as backend:
@@ -244,8 +244,8 @@ def _stopping(settings: Settings) -> None:
     with contextlib.suppress(OSError):
         typer.echo("")
     _what_stays_running()
-    say("stopping worker, beat, Flower" + ("" if settings.broker_url else " and Redis")
-        + " ...")
+    say("stopping worker, beat, Flower, the metrics exporter, the lease console"
+        + ("" if settings.broker_url else " and Redis") + " ...")
 
 
 def _client_env(settings: Settings, environ: Mapping[str, str],

@@ -387,7 +387,8 @@ def test_closing_the_terminal_stops_every_child(tmp_path: Path) -> None:
         said = process.text
     assert left == [], f"still running after SIGHUP: {left}\n{said}"
     assert process.proc.returncode == 0, said
-    assert "stopping worker, beat, Flower and Redis" in said
+    assert ("stopping worker, beat, Flower, the metrics exporter, the lease console and Redis"
+            in said)
     assert not (tmp_path / ".var" / "env").exists()
     assert_closed(broker_port(text))
 
