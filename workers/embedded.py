@@ -30,7 +30,7 @@ from pathlib import Path
 
 import redis
 
-from providers.errors import ConfigError
+from providers.errors import BrokerUnavailable, ConfigError
 from workers.die_with_parent import wrapped
 from workers.flower_auth import flower_basic_auth
 from workers.settings import Settings
@@ -298,7 +298,14 @@ def embedded_backend(settings: Settings, extra_env: dict[str, str],
     notes += [note] if note else []
     try:
         if settings.broker_url:
-            check_broker(settings.broker_url)
+            try:
+                check_broker(settings.broker_url)
+            except BrokerUnavailable as exc:
+                raise BrokerUnavailable(
+                    f"{exc} `up` uses a Redis of yours when LEASEKEEPER_BROKER_URL is set: "
+                    "to have it start its own, as it does by default, unset "
+                    "LEASEKEEPER_BROKER_URL (an address an earlier `up` printed points at "
+                    "the Redis that stopped with it)") from None
             broker = settings.broker_url
         else:
             port = free_port()

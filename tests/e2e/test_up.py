@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from tests.e2e.conftest import HIDDEN_PACKAGES, cli_env, eventually, leasekeeper
+from tests.services import free_port
 from tests.stack import REPO
 
 
@@ -570,3 +571,19 @@ def _up_with_a_pool(tmp_path: Path, env: dict[str, str], other_shell: dict[str, 
         said = running.interrupt()
     assert running.proc.returncode == 0, said
     return said, members
+
+
+def test_up_with_a_broker_url_left_from_an_earlier_up_says_to_unset_it(tmp_path: Path) -> None:
+    # Before: in a shell where the user pasted the `export` lines an earlier `up` printed,
+    # `up` (as that up's stop message advised) failed "the broker at redis://...
+    # is unreachable ... Start Redis there or fix the URL" (exit 3): that Redis stopped
+    # with the earlier up, and the fix is to let `up` start its own.
+    gone = f"redis://127.0.0.1:{free_port()}/0"
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "up"],
+                          env=user_env(LEASEKEEPER_BROKER_URL=gone,
+                                       LEASEKEEPER_FLOWER_PORT="0"),
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          check=False)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "unreachable" in done.stderr, done.stderr
+    assert "unset LEASEKEEPER_BROKER_URL" in done.stderr, done.stderr
