@@ -129,7 +129,8 @@ def _up(settings: Settings, demo: int, exit_after_demo: bool, signals: StopSigna
         + "the store, a worker, beat, Flower, the metrics exporter and the lease console ...")
     try:
         with embedded_backend(settings, demo_env,
-                              lambda name, took: say(f"  {name} ready ({took:.1f} s)")) as backend:
+                              lambda name, took: say(f"  {name} ready ({took:.1f} s)"),
+                              say) as backend:
             os.environ.update({k: v for k, v in backend.env.items()
                                if k.startswith("LEASEKEEPER_")})
             get_settings.cache_clear()
@@ -142,7 +143,7 @@ def _up(settings: Settings, demo: int, exit_after_demo: bool, signals: StopSigna
             if demo:
                 outcome = _demo(demo)
                 if outcome is DemoOutcome.INTERRUPTED:
-                    _stopping(settings)
+                    _stopping(settings, backend)
                     return False
                 ok = outcome is DemoOutcome.AS_EXPECTED
                 if exit_after_demo:
@@ -151,7 +152,7 @@ def _up(settings: Settings, demo: int, exit_after_demo: bool, signals: StopSigna
             say("press Ctrl-C to stop")
             signals.interrupting = False
             ok = _watch(backend, signals.stop) and ok
-            _stopping(settings)
+            _stopping(settings, backend)
             return ok
     finally:
         env_file.unlink(missing_ok=True)
@@ -240,12 +241,19 @@ def _destroy_one(lease_id: str) -> str:
     return str(done["result"])
 
 
-def _stopping(settings: Settings) -> None:
+def _stopping(settings: Settings, backend: object) -> None:
+    """Worker and beat stop first: the worker's running tasks (a destroy, an acquire)
+    finish (workers/embedded.py), so what `up` then says stays running is what does;
+    the others stop when the backend's context ends."""
+    from workers.embedded import Embedded
+
+    assert isinstance(backend, Embedded)
     with contextlib.suppress(OSError):
         typer.echo("")
-    _what_stays_running()
     say("stopping worker, beat, Flower, the metrics exporter, the lease console"
         + ("" if settings.broker_url else " and Redis") + " ...")
+    backend.supervisor.stop(["worker", "beat"])
+    _what_stays_running()
 
 
 def _client_env(settings: Settings, environ: Mapping[str, str],

@@ -8,6 +8,11 @@ ping to its own node name, beat has marked a tick in Redis, Flower answers an au
 API request (so a Flower left by another `up` on the same port can never pass for ours).
 A port that is taken fails at once naming it; a child that exits fails at once with the
 last lines of its log. Each child's output is in ``$LEASEKEEPER_VAR_DIR/logs/<name>.log``.
+
+It stops the worker as Celery means it to be stopped: SIGTERM to its main process only
+(warm shutdown: it takes no new task, lets the running ones finish, then stops its pool),
+at most ``worker_stop_wait_s`` (a local sandbox's destroy grace plus a margin), and only
+then SIGKILL to its whole process group. The other children get SIGTERM with their group.
 """
 
 from __future__ import annotations
@@ -39,6 +44,18 @@ from workers.settings import Settings
 ROTATING = frozenset({"worker", "beat", "flower"})
 READY_TIMEOUT_S = 180.0  # the worker imports every provider; slow on a loaded host
 TAIL_LINES = 15
+# How long a child gets to exit after SIGTERM before its process group is SIGKILLed.
+STOP_WAIT_S = 20.0
+# The worker's warm shutdown gets this much more than LEASEKEEPER_LOCAL_DESTROY_GRACE_S:
+# a local destroy waits out that grace, then SIGKILLs and waits again (10 s at most), and
+# records its outcome. A task running longer than that (a slow acquire) is cut; its
+# message goes back to the queue (acks late) and runs when leasekeeper runs again.
+WORKER_STOP_MARGIN_S = 30.0
+
+
+def worker_stop_wait_s(settings: Settings) -> float:
+    """How long `up` waits for its worker's running tasks when it stops."""
+    return settings.local_destroy_grace_s + WORKER_STOP_MARGIN_S
 
 
 def free_port() -> int:
@@ -91,6 +108,10 @@ class Supervisor:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     # Called (best effort) right before a running child is sent SIGTERM.
     before_stop: dict[str, Callable[[], None]] = field(default_factory=dict)
+    # Children sent SIGTERM to their main process only, and waited for this long (s)
+    # before their group is SIGKILLed: the worker, whose warm shutdown lets its running
+    # tasks finish (SIGTERM to its group would kill its pool processes mid-task).
+    warm_stop_s: dict[str, float] = field(default_factory=dict)
 
     def log(self, name: str) -> Path:
         return self.logdir / f"{name}.log"
@@ -155,15 +176,20 @@ class Supervisor:
         self._stop([(n, p) for n, p in chosen if n == "redis"])
 
     def _stop(self, chosen: list[tuple[str, subprocess.Popen[bytes]]]) -> None:
+        deadlines: dict[str, float] = {}
         for name, proc in reversed(chosen):
             if proc.poll() is None:
                 if name in self.before_stop:
                     self.before_stop[name]()
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 20
-        for _name, proc in chosen:
+                if name in self.warm_stop_s:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(proc.pid, signal.SIGTERM)
+                else:
+                    os.killpg(proc.pid, signal.SIGTERM)
+            deadlines[name] = time.monotonic() + self.warm_stop_s.get(name, STOP_WAIT_S)
+        for name, proc in chosen:
             try:
-                proc.wait(max(deadline - time.monotonic(), 0.1))
+                proc.wait(max(deadlines[name] - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
@@ -182,6 +208,33 @@ def snapshot_redis(url: str, timeout_s: float = 10.0) -> None:
               "log says why); the next `up` starts without it", file=sys.stderr)
     finally:
         client.close()
+
+
+def running_tasks(broker_url: str, node: str) -> int | None:
+    """How many tasks the worker ``node`` is running; None if it did not answer."""
+    from celery import Celery
+
+    app = Celery(broker=broker_url)
+    try:
+        replies = app.control.inspect(destination=[node], timeout=1.0).active()
+    except Exception:  # best effort: only what up says depends on it
+        return None
+    finally:
+        app.close()
+    if not replies or node not in replies:
+        return None
+    return len(replies[node])
+
+
+def say_running_tasks(broker_url: str, node: str, wait_s: float,
+                      say: Callable[[str], None]) -> None:
+    """Before the worker's SIGTERM: what up is about to wait for, and how long at most."""
+    count = running_tasks(broker_url, node)
+    if count is None:
+        say(f"the worker did not say what it is running; waiting for it to stop, at most "
+            f"{wait_s:g} s")
+    elif count:
+        say(f"waiting for {count} running task(s) to finish, at most {wait_s:g} s")
 
 
 def redis_answers(url: str) -> bool:
@@ -285,8 +338,10 @@ def _probes(backend: Embedded, env: dict[str, str], node: str) -> dict[str, Call
 
 @contextlib.contextmanager
 def embedded_backend(settings: Settings, extra_env: dict[str, str],
-                     on_ready: Callable[[str, float], None]) -> Iterator[Embedded]:
-    """Run the whole backend; yield once every child is ready."""
+                     on_ready: Callable[[str, float], None],
+                     say: Callable[[str], None] = print) -> Iterator[Embedded]:
+    """Run the whole backend; yield once every child is ready. ``say`` tells what the
+    stopping waits for."""
     from workers.preflight import check_broker
 
     require_package("flower", "flower>=2.0", "`leasekeeper up` (its Flower)")
@@ -331,6 +386,10 @@ def embedded_backend(settings: Settings, extra_env: dict[str, str],
         migrate(settings.effective_store_url)
         auth = flower_basic_auth(settings)  # the setting, or the one kept in the var dir
         node = node_name()
+        wait_s = worker_stop_wait_s(settings)
+        sup.warm_stop_s["worker"] = wait_s
+        sup.before_stop["worker"] = functools.partial(say_running_tasks, broker, node,
+                                                      wait_s, say)
         for name in ("worker", "beat"):
             sup.start(name, _argv(name, var, node), env)
         # The password goes by environment, never on a command line others can read.
