@@ -7,6 +7,7 @@ then, once that was fixed, setuptools' boxed "Editable installation" note on eve
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -45,13 +46,18 @@ def test_the_editable_install_make_runs_prints_no_build_note(tmp_path: Path) -> 
         ".git", ".venv", ".var", "build", "*.egg-info", "__pycache__", ".mypy_cache",
         ".ruff_cache"))
     venv = tmp_path / "venv"
+    # as a user's shell runs it: not as a sub-make of `make test` (whose MAKEFLAGS and
+    # MAKELEVEL would add "make[1]: Entering directory" lines to the plan)
+    env = {k: v for k, v in os.environ.items()
+           if k not in {"MAKEFLAGS", "MAKELEVEL", "MFLAGS", "MAKEOVERRIDES"}}
     planned = subprocess.run(
-        ["make", "--dry-run", "--always-make", f"VENV={venv}", f"{venv}/.installed"],
-        cwd=source, capture_output=True, text=True, check=True, timeout=60).stdout
+        ["make", "--no-print-directory", "--dry-run", "--always-make", f"VENV={venv}",
+         f"{venv}/.installed"],
+        cwd=source, env=env, capture_output=True, text=True, check=True, timeout=60).stdout
     assert "pip install --quiet --upgrade pip" in planned and " -e '.[test]'" in planned
     # when they run (the package alone: its dependencies are this test run's own)
     done = subprocess.run(planned.replace(" -e '.[test]'", " -e . --no-deps"), shell=True,
-                          cwd=source, capture_output=True, text=True, check=False,
+                          cwd=source, env=env, capture_output=True, text=True, check=False,
                           timeout=540)
     said = done.stdout + done.stderr
     # then they install it, and say nothing of its build
