@@ -41,10 +41,15 @@ class LeasekeeperError(Exception):
         exporter): without what a task would do about it."""
         return str(self)
 
-    def given_up(self, retries: int) -> LeasekeeperError:
+    def with_retry_note(self, note: str) -> Self:
+        """The same error with ``note`` in place of what its message promises a task does
+        about it (a retry); itself when it promises nothing."""
+        return self
+
+    def given_up(self, retries: int) -> Self:
         """The error a task whose ``retries`` ran out raises: one whose message promises a
         retry says it gave up instead; any other, itself."""
-        return self
+        return self.with_retry_note(gave_up(retries))
 
 
 class ConfigError(LeasekeeperError):
@@ -83,10 +88,10 @@ class RetryNoted(LeasekeeperError):
     def outside_a_task(self) -> str:
         return str(self).removesuffix(self.retry_note)
 
-    def given_up(self, retries: int) -> Self:
+    def with_retry_note(self, note: str) -> Self:
         if not self.retry_note:
             return self
-        return type(self)(self.outside_a_task(), gave_up(retries))
+        return type(self)(self.outside_a_task(), note)
 
 
 class RunNotRecorded(RetryNoted, NotFound):
@@ -102,7 +107,7 @@ class RunNotRecorded(RetryNoted, NotFound):
 
 
 # How a transient provider error's message says what its task does about it. A task whose
-# retries ran out says it gave up instead (``ProviderError.given_up``); a destroy never
+# retries ran out says it gave up instead (``ProviderError.with_retry_note``); a destroy never
 # retries a provider failure (sweep.retry_cleanup does), so its parts leave it out.
 TASK_RETRIES = "; the task retries with backoff"
 
@@ -186,15 +191,14 @@ class ProviderError(LeasekeeperError):
         """The message without the promise that the task retries."""
         return str(self).replace(TASK_RETRIES, "")
 
-    def given_up(self, retries: int) -> Self:
-        """The same error from a task whose retries ran out: it says so, not that it will
-        retry (its class and status kept)."""
+    def with_retry_note(self, note: str) -> Self:
+        """Its class and status kept (a copy)."""
         text = str(self)
         if TASK_RETRIES not in text:
             return self
-        final = copy.copy(self)
-        final.args = (text.replace(TASK_RETRIES, gave_up(retries)), *self.args[1:])
-        return final
+        said = copy.copy(self)
+        said.args = (text.replace(TASK_RETRIES, note), *self.args[1:])
+        return said
 
 
 class TransientProviderError(ProviderError):
@@ -288,13 +292,7 @@ NEXT_TICK = "; the sweep's next tick tries again"
 def for_a_sweep(exc: BaseException) -> BaseException:
     """The error a sweep's tick raises for ``exc``: what a task would do about it (retry)
     is not what a sweep does. ``exc`` itself when it promises nothing."""
-    if isinstance(exc, RetryNoted) and exc.retry_note:
-        return type(exc)(exc.outside_a_task(), NEXT_TICK)
-    if isinstance(exc, ProviderError) and TASK_RETRIES in str(exc):
-        said = copy.copy(exc)
-        said.args = (str(exc).replace(TASK_RETRIES, NEXT_TICK), *exc.args[1:])
-        return said
-    return exc
+    return exc.with_retry_note(NEXT_TICK) if isinstance(exc, LeasekeeperError) else exc
 
 
 def cause_of(exc: BaseException) -> str:

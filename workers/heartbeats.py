@@ -97,15 +97,19 @@ def mark_sweep_failed(client: redis.Redis[bytes], queue: str, sweep: str, error:
         client.set(failed_key(queue, sweep), json.dumps(failure), ex=KEY_TTL_S)
 
 
+def _marks(client: redis.Redis[bytes], keys: dict[str, str]
+           ) -> dict[str, dict[str, Any] | None]:
+    """Each name's JSON mark at its key (None where there is none), in one MGET."""
+    raws = client.mget(list(keys.values()))
+    return {name: (json.loads(raw) if raw else None) for name, raw in zip(keys, raws,
+                                                                         strict=True)}
+
+
 def last_failures(client: redis.Redis[bytes], queue: str, sweeps: list[str]
                   ) -> dict[str, dict[str, Any] | None]:
-    raws = client.mget([failed_key(queue, name) for name in sweeps])
-    return {name: (json.loads(raw) if raw else None) for name, raw in zip(sweeps, raws,
-                                                                         strict=True)}
+    return _marks(client, {name: failed_key(queue, name) for name in sweeps})
 
 
 def last_sweeps(client: redis.Redis[bytes], queue: str, sweeps: list[str]
                 ) -> dict[str, dict[str, Any] | None]:
-    raws = client.mget([sweep_key(queue, name) for name in sweeps])
-    return {name: (json.loads(raw) if raw else None) for name, raw in zip(sweeps, raws,
-                                                                         strict=True)}
+    return _marks(client, {name: sweep_key(queue, name) for name in sweeps})
