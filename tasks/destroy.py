@@ -158,11 +158,12 @@ def _record_failure(
     return Destroyed(lease_id, DestroyResult.CLEANUP_PENDING, LeaseState.PENDING_CLEANUP, exc)
 
 
-def _without_marked_secrets(rt: Runtime, lease_id: str, reason: str) -> str:
+def without_marked_secrets(rt: Runtime, lease_id: str, reason: str) -> str:
     """A caller's reason cleaned (:func:`clean_reason`) with the secrets of the lease's
     run and thread scrubbed, whichever process saw them (tasks/secret_marks.py), as
     run.finish's error is: the reason is stored and shown (events, the lease's end, its
-    runs' error). The default reason, an operator's own (tasks/operator.operators_own) or
+    runs' error), and so is a forget's (`leasekeeper leases forget --reason`). The
+    default reason, an operator's own (tasks/operator.operators_own) or
     one too short to hold a secret costs no read of the marks; BrokerUnavailable
     (retried) when the marks cannot be read, so a reason is never stored unsearched."""
     if (reason == DEFAULT_REASON or len(reason) < MIN_SUBSTRING_SECRET_CHARS
@@ -182,7 +183,7 @@ def destroy(self: LeaseTask, lease_id: str,
             reason: str | None = DEFAULT_REASON) -> dict[str, Any]:
     reason = checked_reason(reason)
     with self.retrying():
-        reason = _without_marked_secrets(self.runtime, lease_id, reason)
+        reason = without_marked_secrets(self.runtime, lease_id, reason)
         done = destroy_lease(self.runtime, lease_id, reason, self.request.id)
     if done.error is not None:
         raise done.error  # loud in Flower; the lease itself waits for sweep.retry_cleanup

@@ -321,10 +321,15 @@ def leases_retry(lease_id: str) -> None:
 def leases_forget(lease_id: str, reason: Annotated[str, typer.Option()] = "by operator") -> None:
     """Mark an abandoned lease destroyed: the operator removed it by hand. (If it is in
     fact still there, sweep.orphans finds it and cleans it up with fresh attempts.)"""
+    from tasks.destroy import clean_reason, without_marked_secrets
     from tasks.operator import forget_abandoned
 
     lease_id = resolve(lease_id).lease_id
-    if not forget_abandoned(runtime().store, lease_id, reason):
+    rt = runtime()
+    # the history keeps it, shown by `leases show` and the console: cleaned as a destroy's
+    # reason is (the lease's secrets scrubbed, cut to REASON_MAX_CHARS)
+    reason = clean_reason(without_marked_secrets(rt, lease_id, reason))
+    if not forget_abandoned(rt.store, lease_id, reason):
         _not_abandoned(lease_id, "forgotten")
     typer.echo("forgotten")
 

@@ -96,3 +96,26 @@ def test_a_secret_split_by_the_producers_cut_of_a_reason_is_never_shown(
     body, _, tail = stored[1].removeprefix("destroy: ").rpartition("... [")
     assert set(body) <= {"*"}, body  # only what the scrub wrote
     assert tail.endswith(" characters; the rest cut]"), tail
+
+
+def test_a_forget_reason_keeps_no_secret_of_the_lease_and_is_cut_to_fit(
+        reason_stack: WorkerStack) -> None:
+    # Before: `leases forget --reason` wrote the operator's text into the history as given,
+    # unscrubbed and uncut (an operator pasting what they saw when removing the sandbox by
+    # hand: a QA pass). It is now cleaned as a destroy's reason is.
+    from models.schema import LeaseState
+
+    secret = f"Forget-Secret-{uuid.uuid4().hex}"
+    lease_id = acquired(secret)
+    rt = reason_stack.runtime()
+    assert rt.store.transition(lease_id, {LeaseState.ACTIVE}, LeaseState.ABANDONED,
+                               "test: cleanup gave up") is not None
+    reason = f"removed by hand; its env said L={secret} " + "y" * 5000
+    done = leasekeeper("leases", "forget", lease_id, "--reason", reason, env=reason_stack.env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert rt.store.get_lease(lease_id).state == LeaseState.DESTROYED
+    forgot = [e.reason for e in rt.store.events(lease_id) if "forgotten" in e.reason]
+    assert len(forgot) == 1, forgot
+    assert not shows_part_of(forgot[0], secret, 6), forgot
+    assert forgot[0].startswith("operator: forgotten (removed by hand; its env said L=***"), forgot
+    assert len(forgot[0]) <= REASON_MAX_CHARS + len("operator: forgotten ()"), len(forgot[0])
