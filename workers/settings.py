@@ -28,7 +28,7 @@ from pydantic_settings import (
 )
 
 from providers.errors import ConfigError
-from providers.spec import MAX_DURATION_S
+from providers.spec import MAX_DURATION_S, Quantity, quantity_value
 from workers.pool_settings import PoolDeclaration, read_pools
 from workers.setting_words import number, problem
 
@@ -148,10 +148,12 @@ class Settings(BaseSettings):
     kube_backend: Literal["sandbox-cr", "job"] = "sandbox-cr"
     kube_sandbox_api_version: Literal["v1alpha1", "v1beta1"] = "v1alpha1"
     kube_default_image: str = "busybox:1.36"
-    kube_cpu_request: str = "250m"
-    kube_memory_request: str = "512Mi"
-    kube_cpu_limit: str = "2"
-    kube_memory_limit: str = "4Gi"
+    # Kubernetes quantities; each request at most its limit (the API server refuses a
+    # workload whose request is above its limit)
+    kube_cpu_request: Quantity = "250m"
+    kube_memory_request: Quantity = "512Mi"
+    kube_cpu_limit: Quantity = "2"
+    kube_memory_limit: Quantity = "4Gi"
     kube_job_active_deadline_s: int = Field(default=3600, gt=0, le=MAX_DURATION_S)
     kube_job_ttl_after_finished_s: int = Field(default=900, ge=0, le=MAX_DURATION_S)
     kube_request_timeout_s: float = Field(default=10.0, gt=0, le=MAX_DURATION_S)
@@ -357,6 +359,16 @@ class Settings(BaseSettings):
                     f"{base_var}={number(base_s)} is above {cap_var}={number(cap_s)}: the "
                     f"backoff never exceeds {cap_var}, so {number(base_s)} s would never be "
                     f"used; lower {base_var} or raise {cap_var}")
+        for kind in ("cpu", "memory"):
+            request = getattr(self, f"kube_{kind}_request")
+            limit = getattr(self, f"kube_{kind}_limit")
+            if quantity_value(request) > quantity_value(limit):
+                request_var = f"{ENV_PREFIX}KUBE_{kind.upper()}_REQUEST"
+                limit_var = f"{ENV_PREFIX}KUBE_{kind.upper()}_LIMIT"
+                backwards.append(
+                    f"{request_var}={request} is above {limit_var}={limit}: the API server "
+                    f"refuses a workload whose request is above its limit; lower "
+                    f"{request_var} or raise {limit_var}")
         if backwards:
             raise ValueError("; ".join(backwards))
         return self

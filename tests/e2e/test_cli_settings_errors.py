@@ -105,3 +105,21 @@ def test_celery_started_with_a_bad_setting_says_so_in_one_line(
     assert len(lines) == 1, said[-3000:]
     assert lines[0].startswith(f"leasekeeper {process} not started: invalid settings: "), lines
     assert says in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(("env", "needles"), [
+    # Before: accepted; every Kubernetes acquire then failed on the API server's 422
+    # ("must be less than or equal to cpu limit").
+    ({"LEASEKEEPER_KUBE_CPU_REQUEST": "4", "LEASEKEEPER_KUBE_CPU_LIMIT": "2"},
+     ["LEASEKEEPER_KUBE_CPU_REQUEST=4 is above LEASEKEEPER_KUBE_CPU_LIMIT=2"]),
+    ({"LEASEKEEPER_KUBE_MEMORY_REQUEST": "8Gi"},
+     ["LEASEKEEPER_KUBE_MEMORY_REQUEST=8Gi is above LEASEKEEPER_KUBE_MEMORY_LIMIT=4Gi"]),
+    # Before: accepted; the API server refused every workload's quantity.
+    ({"LEASEKEEPER_KUBE_MEMORY_LIMIT": "4 GB"},
+     ["LEASEKEEPER_KUBE_MEMORY_LIMIT: ", "'4 GB'"]),
+])
+def test_kubernetes_resource_defaults_are_quantities_in_order(
+        tmp_path: Path, env: dict[str, str], needles: list[str]) -> None:
+    err = refused(tmp_path, **env)
+    for needle in needles:
+        assert needle in err, err
