@@ -93,3 +93,22 @@ def test_flower_with_a_refused_password_exits_saying_so(guarded_redis: RedisServ
     assert done.returncode == 2, done.stdout + done.stderr
     err = short_error(done, "authentication failed", "LEASEKEEPER_BROKER_URL")
     assert PASSWORD not in err and "flower-pw-1" not in done.stdout + done.stderr
+
+
+@pytest.mark.timeout(400)
+def test_up_never_prints_the_broker_password(guarded_redis: RedisServer, tmp_path: Path) -> None:
+    # Before: "leasekeeper is up: broker redis://:s3cret-broker-pw@..." and
+    # "export LEASEKEEPER_BROKER_URL=redis://:s3cret-broker-pw@..." on the console (a QA
+    # pass); every other command masks it.
+    url = f"redis://:{PASSWORD}@127.0.0.1:{guarded_redis.port}/0"
+    env = cli_env(LEASEKEEPER_BROKER_URL=url, LEASEKEEPER_FLOWER_PORT="0",
+                  LEASEKEEPER_METRICS_PORT="0", LEASEKEEPER_CONSOLE_PORT="0")
+    done = subprocess.run([sys.executable, "-m", "workers.cli", "up", "--demo", "1",
+                           "--exit-after-demo"], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert PASSWORD not in done.stdout + done.stderr
+    assert "leasekeeper is up: broker redis://:**@127.0.0.1:" in done.stdout, done.stdout
+    # the other shell is told where the whole URL is, not given a masked one to paste
+    assert "export LEASEKEEPER_BROKER_URL=" not in done.stdout, done.stdout
+    assert "LEASEKEEPER_BROKER_URL holds a password" in done.stdout, done.stdout
