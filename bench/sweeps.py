@@ -6,6 +6,7 @@ The history (tests/store/history.py): 98% destroyed leases with completed, recla
 due per sweep at any size (the sweeps keep up). Each unit is timed as a tick runs it (the
 due read, then the claim of what it read, through the real SweepStore), inside a
 transaction rolled back after each repetition, so every repetition sees the same rows.
+The exporter's reads at each scrape are timed too (``scrape.*``).
 Listings are keyset pages (newest first; a page at mid history; filtered by state).
 ``ratio`` = the worst (1M median / 10k median) over all units; goal <= 1.5. JSON.
 
@@ -36,6 +37,7 @@ from tests.store.history import (
     RolledBackStore,
     listings,
     load_history,
+    scrape_reads,
 )
 
 
@@ -112,6 +114,7 @@ def units(rows: int) -> dict[str, Callable[[Store], object]]:
         name: (lambda st, call=call: call(SweepStore(st)))
         for name, call in SWEEP_READS_AND_CLAIMS.items()}
     calls.update(listings(rows))
+    calls.update({f"scrape.{name}": call for name, call in scrape_reads(rows).items()})
     return calls
 
 

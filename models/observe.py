@@ -4,7 +4,9 @@ for the console, the lease event log tailed by id, and the sweep tick log.
 Every query here is index-backed (see the indexes in schema.py): counts group on
 ``ix_leases_state_lease_id_provider_tenant`` / ``ix_runs_status_detached`` over the states
 that matter now (not the destroyed / finished history), reclaims are read by
-``ix_runs_reclaimed_at``, pages walk ``lease_id`` (time-ordered) through the primary key or
+``ix_runs_reclaimed_at``, events of given leases through ``ix_lease_events_lease_id``
+(a subquery per lease, never a join the planner could turn into a scan of the log), pages
+walk ``lease_id`` (time-ordered) through the primary key or
 the ``(state, lease_id)`` / ``(tenant, lease_id)`` prefixes, the event tail walks the
 events' primary key. Writes: only
 :meth:`Observe.record_tick` (one row per beat tick, trimmed to the newest few per sweep)
@@ -119,12 +121,19 @@ class Observe:
 
     def oldest_cleanup_wait_since(self) -> datetime | None:
         """When the longest-waiting lease still waiting for cleanup (pending_cleanup or
-        destroying) first needed it: its earliest ``pending_cleanup`` event."""
+        destroying) first needed it: its earliest ``pending_cleanup`` event.
+
+        Driven from the few waiting leases (the state index), each one's events read through
+        ``ix_lease_events_lease_id`` by a correlated subquery: a join let the planner scan
+        every event of the history for the pending_cleanup ones and hash them."""
+        first = (select(func.min(_E.c.at))
+                 .where(_E.c.lease_id == _L.c.lease_id,
+                        _E.c.to_state == LeaseState.PENDING_CLEANUP)
+                 .correlate(_L).scalar_subquery())
+        waiting = (select(first.label("first")).where(_L.c.state.in_(WAITING_FOR_CLEANUP))
+                   .subquery())
         with self.store.tx() as s:
-            value = s.scalar(
-                select(func.min(_E.c.at)).select_from(_E.join(_L, _L.c.lease_id == _E.c.lease_id))
-                .where(_L.c.state.in_(WAITING_FOR_CLEANUP),
-                       _E.c.to_state == LeaseState.PENDING_CLEANUP))
+            value = s.scalar(select(func.min(waiting.c.first)))
         return cast(datetime | None, value)
 
     def run_counts(self, statuses: Sequence[str] = UNFINISHED_RUNS) -> dict[str, int]:
@@ -163,12 +172,16 @@ class Observe:
         """For each lease, when it last entered ``state`` in an event before ``before_id``."""
         if not lease_ids:
             return {}
+        # Each lease's own events through ix_lease_events_lease_id (a correlated subquery per
+        # lease, by primary key): never a scan of the log, whatever its statistics say.
+        last = (select(func.max(_E.c.at))
+                .where(_E.c.lease_id == _L.c.lease_id, _E.c.to_state == state,
+                       _E.c.id < before_id)
+                .correlate(_L).scalar_subquery())
         with self.store.tx() as s:
-            rows = s.execute(select(_E.c.lease_id, func.max(_E.c.at))
-                             .where(_E.c.lease_id.in_(list(lease_ids)), _E.c.to_state == state,
-                                    _E.c.id < before_id)
-                             .group_by(_E.c.lease_id))
-            return {str(lease_id): at for lease_id, at in rows}
+            rows = s.execute(select(_L.c.lease_id, last)
+                             .where(_L.c.lease_id.in_(list(lease_ids))))
+            return {str(lease_id): at for lease_id, at in rows if at is not None}
 
     # -- the sweep tick log -------------------------------------------------------------
     def record_tick(self, sweep: str, run: str, took_ms: int, counts: dict[str, Any],

@@ -18,7 +18,17 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any, cast
 
-from sqlalchemy import ColumnElement, Table, func, insert, or_, select, update
+from sqlalchemy import (
+    ColumnElement,
+    String,
+    Table,
+    func,
+    insert,
+    literal,
+    or_,
+    select,
+    update,
+)
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -171,8 +181,12 @@ class SweepStore:
 
     @staticmethod
     def _on_ended_lease() -> list[ColumnElement[bool]]:
-        return [R.c.status.in_(list(UNFINISHED_RUN_STATUSES)),
-                L.c.state.in_(list(FINAL_STATES))]
+        # The statuses as literals, not parameters: the predicate of the partial index
+        # ix_runs_unfinished_started, which only a literal match lets the planners
+        # (SQLite's always, PostgreSQL's in a generic plan) use.
+        unfinished = [literal(str(s), String, literal_execute=True)
+                      for s in UNFINISHED_RUN_STATUSES]
+        return [R.c.status.in_(unfinished), L.c.state.in_(list(FINAL_STATES))]
 
     def due_runs_on_ended_leases(self, limit: int) -> list[str]:
         """Runs still running or interrupted whose own lease has ended (destroyed or

@@ -55,13 +55,13 @@ def test_a_release_is_rolled_back_and_forward_keeping_the_leases(store_url: str)
     # with --yes it goes down to 0009_runs12 (a leading part of its name is enough)
     done = db(store_url, "downgrade", "0009", "--yes")
     assert done.returncode == 0, done.stderr
-    assert ("is at 0009_runs12 (undone: 0013_marks14, 0012_perf12, 0011_perf12, "
+    assert ("is at 0009_runs12 (undone: 0014_perf12, 0013_marks14, 0012_perf12, 0011_perf12, "
             "0010_perf12)") in done.stdout
     assert revision_of(store_url) == "0009_runs12"
     behind = db(store_url, "current")
     assert behind.returncode == 1
     assert "behind this leasekeeper's latest" in behind.stdout
-    assert "0010_perf12, 0011_perf12, 0012_perf12, 0013_marks14" in behind.stdout
+    assert "0010_perf12, 0011_perf12, 0012_perf12, 0013_marks14, 0014_perf12" in behind.stdout
     assert "leasekeeper db upgrade" in behind.stdout
     again = db(store_url, "downgrade", "0009_runs12", "--yes")
     assert again.returncode == 0 and "nothing to undo" in again.stdout

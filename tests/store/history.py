@@ -7,8 +7,10 @@ running), 3 provisioning, 3 pending_cleanup, 2 destroying, 2 abandoned (runs fai
 are created one second apart up to ``NOW``; 30 more runs, a day old, never got a lease.
 What a sweep finds due does not grow with the history (the sweeps keep up): about 30 rows
 per sweep in any history of 15,000 rows or more (fewer below), the rest of each state not
-due yet. No lease events are loaded: no sweep
-reads them.
+due yet. Ten runs (one per 1,000 leases, up to ten) are still running or interrupted on a
+destroyed lease: a lost write that sweep.reap_runs settles. Every lease has its events, one
+per state it went through (about five a lease: the exporter reads them at each scrape), so
+the leases waiting for cleanup have a pending_cleanup event, as do the ones destroyed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 from sqlalchemy import Connection, Engine, text
 from sqlalchemy.orm import Session
 
+from models.observe import Observe
+from models.pool_store import PoolStore
 from models.rawsql import SessionCursor
 from models.reports import LeaseFilter, lease_page, run_page
 from models.schema import LeaseState, RunStatus
@@ -103,19 +107,52 @@ FROM generate_series(1, 30) AS i
 """
 LEASELESS_GRACE = timedelta(hours=3)
 
+# Runs still running (or interrupted) on a destroyed lease, up to ten at any size: the lease's
+# end did not settle them (a lost write). sweep.reap_runs settles them.
+_UNSETTLED_RUNS = """
+UPDATE runs SET status = CASE WHEN i % 2000 = 500 THEN 'running' ELSE 'interrupted' END,
+    exit_code = NULL, finished_at = NULL, reclaim_due = false, reclaim_outcome = NULL,
+    reclaimed_at = NULL
+FROM (SELECT i FROM generate_series(500, :n, 1000) AS i LIMIT 10) AS g
+WHERE runs.run_id = 'r' || lpad(g.i::text, 10, '0')
+"""
 
-def load_history(engine: Engine, rows: int) -> None:
-    """Load ``rows`` leases and their runs into an empty, migrated PostgreSQL store, then
-    VACUUM ANALYZE so the planner knows the real distribution."""
+# Each lease's events, one per state it went through in order: provisioning, active,
+# pending_cleanup, destroying, then destroyed or abandoned.
+_EVENTS = """
+INSERT INTO lease_events (lease_id, at, from_state, to_state, reason, task_id)
+SELECT l.lease_id,
+    CASE p.n WHEN 1 THEN l.created_at WHEN 2 THEN l.created_at + interval '1 second'
+             WHEN 3 THEN l.created_at + interval '30 seconds'
+             WHEN 4 THEN (CASE WHEN l.state = 'destroying' THEN l.updated_at
+                               ELSE l.created_at + interval '40 seconds' END)
+             ELSE l.updated_at END,
+    (ARRAY[NULL, 'provisioning', 'active', 'pending_cleanup', 'destroying'])[p.n],
+    (ARRAY['provisioning', 'active', 'pending_cleanup', 'destroying', l.state])[p.n],
+    'history', NULL
+FROM leases AS l
+CROSS JOIN LATERAL generate_series(1, CASE l.state WHEN 'provisioning' THEN 1
+    WHEN 'active' THEN 2 WHEN 'pending_cleanup' THEN 3 WHEN 'destroying' THEN 4
+    ELSE 5 END) AS p(n)
+"""
+
+
+def load_history(engine: Engine, rows: int, analyze_events: bool = True) -> None:
+    """Load ``rows`` leases, their runs and events into an empty, migrated PostgreSQL store,
+    then VACUUM ANALYZE so the planner knows the real distribution (of the events only if
+    ``analyze_events``: an append-only log's statistics lag its growth until autovacuum
+    ANALYZEs it, and its reads must not depend on them)."""
     params = {"now": NOW, "n": rows}
     with engine.begin() as conn:
         conn.execute(text(_LEASES), params)
         conn.execute(text(_RUNS), params)
         conn.execute(text(_LEASELESS_RUNS), params)
+        conn.execute(text(_UNSETTLED_RUNS), params)
+        conn.execute(text(_EVENTS), params)
     with engine.connect() as plain:
         conn = plain.execution_options(isolation_level="AUTOCOMMIT")
-        conn.exec_driver_sql("VACUUM ANALYZE leases")
-        conn.exec_driver_sql("VACUUM ANALYZE runs")
+        for table in ("leases", "runs", *(("lease_events",) if analyze_events else ())):
+            conn.exec_driver_sql(f"VACUUM ANALYZE {table}")
 
 
 @contextlib.contextmanager
@@ -165,6 +202,8 @@ SWEEP_READS_AND_CLAIMS: dict[str, Callable[[SweepStore], object]] = {
     "reap_runs.lost_reclaims": lambda s: s.claim_reclaims(s.due_reclaims(NOW, 25), NOW, 300),
     "reap_runs.leaseless": lambda s: s.fail_leaseless_runs(
         s.due_leaseless_runs(NOW - LEASELESS_GRACE, 25), NOW - LEASELESS_GRACE),
+    "reap_runs.on_ended_leases": lambda s: s.settle_runs_on_ended_leases(
+        s.due_runs_on_ended_leases(25)),
     "expire_leases": lambda s: s.claim_expiries(
         [due.lease_id for due in s.due_expiries(NOW, 25)], NOW, 300, None),
     "retry_cleanup.stale_destroys": lambda s: s.recover_stale_destroys(
@@ -179,6 +218,26 @@ SWEEP_READS_AND_CLAIMS: dict[str, Callable[[SweepStore], object]] = {
     "finish_exited": lambda s: s.store.unfinished_runs_on_leases(
         [f"l{i:010d}" for i in range(901, 1101)]),
 }
+
+
+# What the exporter reads at each scrape (workers/metrics/collector.py: the gauges, then the
+# logs tailed from where they stand).
+def scrape_reads(rows: int) -> dict[str, Callable[[Store], object]]:
+    seen = [f"l{i:010d}" for i in range(rows - 49, rows + 1)]  # a batch's destroyed leases
+    return {
+        "lease_counts": lambda st: Observe(st).lease_counts(),
+        "oldest_cleanup_wait": lambda st: Observe(st).oldest_cleanup_wait_since(),
+        "run_counts": lambda st: Observe(st).run_counts(),
+        "last_ticks": lambda st: Observe(st).last_ticks(),
+        "pool_members": lambda st: PoolStore(st).member_counts(["py"]),
+        "marks": lambda st: (Observe(st).max_event_id(), Observe(st).max_tick_id(),
+                             Observe(st).max_provider_error_id()),
+        "events_tail": lambda st: Observe(st).events_from(
+            Observe(st).max_event_id() - 50, 1000),  # a scrape's new events
+        "destroys_claimed_at": lambda st: Observe(st).last_entered(
+            seen, LeaseState.DESTROYING, Observe(st).max_event_id()),
+        "reclaims_tail": lambda st: Observe(st).reclaims_since(NOW - timedelta(minutes=5)),
+    }
 
 
 def listings(rows: int) -> dict[str, Callable[[Store], object]]:
