@@ -6,6 +6,8 @@ Redis' visibility timeout so a running task is never delivered twice; events are
 Flower shows every lifecycle task. Redaction is worker-side (tasks/redaction.py): the log
 filter goes on every handler once Celery has set logging up, in the worker and in beat.
 At start the worker logs which broker it uses (password hidden) and where that came from.
+The app keeps to leasekeeper's settings (never the CELERY_* variables of a web project's
+own Celery app) and does not become the process's current app (workers/own_conf.py).
 Tasks are routed to lanes (workers/queues.py) so cleanup never waits behind queued acquires.
 """
 
@@ -29,6 +31,7 @@ from kombu.utils.url import maybe_sanitize_url
 
 from providers.errors import ConfigError
 from workers.beat import beat_max_interval_s, beat_schedule
+from workers.own_conf import LeasekeeperCelery, refusal
 from workers.queues import LaneRouter, task_queues
 from workers.settings import Settings, get_settings
 
@@ -94,7 +97,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 def create_app(settings: Settings | None = None) -> Celery:
     from tasks.redaction import redact_sent_messages
 
-    app = Celery("leasekeeper", include=TASK_MODULES)
+    app = LeasekeeperCelery("leasekeeper", include=TASK_MODULES)
     app.conf.update(celery_config(settings or get_settings()))
     app.conf.task_routes = (LaneRouter(app.conf),)
     # Every message this app builds, sent by name too, has redacted reprs: its task-sent
@@ -119,9 +122,16 @@ CELERY_COMMANDS = ("worker", "beat", "flower", "events", "inspect", "control", "
 def _app_or_exit() -> Celery:
     """The app; under celery's own command, a setting that is invalid ends the process in one
     line (exit 2), as the preflight's refusals do, not in Celery's "Unable to load celery
-    application" traceback with the message on its last line."""
+    application" traceback with the message on its last line. A worker or beat whose
+    CELERY_* broker or backend variable names another than leasekeeper's is refused so
+    too (workers/own_conf.py)."""
     try:
-        return create_app()
+        made = create_app()
+        if _started_by_celery() in ("worker", "beat"):
+            problem = refusal(get_settings())
+            if problem:
+                raise ConfigError(problem)
+        return made
     except ConfigError as exc:
         process = _started_by_celery()
         if process is None:
