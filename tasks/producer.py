@@ -21,7 +21,7 @@ import redis
 from celery import Task
 from celery.result import AsyncResult
 
-from providers.errors import BrokerUnavailable, ConfigError, InvalidRequest
+from providers.errors import BrokerUnavailable, ConfigError, InvalidRequest, LeasekeeperError
 from providers.kubernetes.manifests import backend_refusal
 from providers.spec import (
     MIN_SUBSTRING_SECRET_CHARS,
@@ -58,6 +58,28 @@ from workers.settings import (
     get_settings,
     provider_not_enabled,
 )
+
+# What a web backend imports from here (PEP 561: a user's `mypy --strict` sees only these as
+# exported): the sending functions, the status reader and its types, and the errors a call
+# raises (re-exported from providers/errors.py; LeasekeeperError is the root of them all).
+__all__ = [
+    "BrokerUnavailable",
+    "ConfigError",
+    "InvalidRequest",
+    "LeasekeeperError",
+    "SandboxSpec",
+    "TaskState",
+    "TaskStatus",
+    "acquire_lease",
+    "attach_run",
+    "check_resumable",
+    "destroy_lease",
+    "detach_run",
+    "finish_run",
+    "reclaim_run",
+    "task_status",
+    "touch_lease",
+]
 
 
 def _id(task: Task, kind: str, value: object) -> str:

@@ -96,10 +96,18 @@ class SweepContext:
 SweepBody = Callable[[SweepContext], Tally]
 
 
+def lock_key(queue: str, sweep: str) -> str:
+    """The sweep's single-flight lock, one per installation (``LEASEKEEPER_TASK_QUEUE``, as
+    the heartbeats of workers/heartbeats.py): installations sharing a Redis never skip each
+    other's ticks. Before, the key was ``leasekeeper:sweep:<name>`` for every installation;
+    a worker of that version and one of this do not exclude each other (README, Sweeps)."""
+    return f"leasekeeper:{queue}:sweep:{sweep}:lock"
+
+
 @contextlib.contextmanager
 def single_flight(rt: Runtime, sweep: str) -> Iterator[bool]:
     """Hold the sweep's Redis lock while the body runs; yield False if another holds it."""
-    lock = rt.redis().lock(f"leasekeeper:sweep:{sweep}",
+    lock = rt.redis().lock(lock_key(rt.settings.task_queue, sweep),
                            timeout=max(rt.settings.sweep_lock_ttl_s, 1.0), blocking=False)
     try:
         acquired = bool(lock.acquire(blocking=False))

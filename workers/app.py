@@ -67,7 +67,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "accept_content": ["json"],
         "result_accept_content": ["json"],
         "result_extended": False,
-        "result_expires": 24 * 3600,
+        "result_expires": max(1, int(settings.result_expires_s)),  # Redis: whole seconds
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,

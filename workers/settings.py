@@ -217,6 +217,9 @@ class Settings(BaseSettings):
     # README's "Delivery" has the measured worst case). Lower means faster recovery after a
     # crash but must stay above task_time_limit_s, or a task still running is delivered twice.
     visibility_timeout_s: float = Field(default=3600.0, gt=0, le=MAX_DURATION_S)
+    # How long a task's result (and state) stays readable in the result backend; after it,
+    # `.get()` and producer.task_status read PENDING, as for a task still queued.
+    result_expires_s: float = Field(default=24 * 3600.0, gt=0, le=MAX_DURATION_S)
     # A task message whose arguments are larger than this is refused (InvalidRequest)
     # before any lookup: tasks take ids and small specs.
     max_payload_bytes: int = Field(default=256 * 1024, ge=1024)
