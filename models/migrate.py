@@ -14,10 +14,15 @@ import contextlib
 import fcntl
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import make_url
+from sqlalchemy import create_engine, make_url
+from sqlalchemy.pool import NullPool
+
+if TYPE_CHECKING:
+    from models.downgrade_guard import Stranded
 
 MIGRATIONS = Path(__file__).resolve().parent / "migrations"
 
@@ -73,5 +78,37 @@ def upgrade(url: str, revision: str = "head") -> None:
 
 
 def downgrade(url: str, revision: str) -> None:
+    """Undo the migrations above ``revision``; refused (``WouldStrand``) before anything
+    changes when that would strand live leases (models/downgrade_guard.py)."""
+    from models.downgrade_guard import refusal
+
     with _one_at_a_time(url):
+        found = stranded_by(url, revision)
+        if found:
+            raise refusal(found)
         command.downgrade(alembic_config(url), revision)
+
+
+def stranded_by(url: str, revision: str) -> list[Stranded]:
+    """What going down to ``revision`` would strand (models/downgrade_guard.py); nothing
+    when ``revision`` is not below the store's (alembic then says why it cannot go)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+    from alembic.script.revision import RevisionError
+    from alembic.util.exc import CommandError
+
+    from models.downgrade_guard import stranded
+
+    script = ScriptDirectory.from_config(alembic_config(url))
+    engine = create_engine(url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            undone: list[str] = []
+            for head in MigrationContext.configure(conn).get_current_heads():
+                try:
+                    undone += [r.revision for r in script.iterate_revisions(head, revision)]
+                except (CommandError, RevisionError):
+                    continue
+            return stranded(conn, undone)
+    finally:
+        engine.dispose()

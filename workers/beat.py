@@ -11,6 +11,8 @@ from celery.beat import PersistentScheduler
 
 from workers.settings import Settings, get_settings
 
+STALE_INTERVALS = 3  # a sweep (or beat) whose last tick is older than this many intervals is late
+
 SWEEPS = {
     "sweep.reap_runs": "reap_runs_interval_s",
     "sweep.expire_leases": "expire_leases_interval_s",
@@ -42,6 +44,7 @@ class HeartbeatScheduler(PersistentScheduler):  # type: ignore[misc]
 
     _marked_at = 0.0
     _client: Any = None
+    _mark: str | None = None  # the value of this process's last mark
 
     def tick(self, *args: Any, **kwargs: Any) -> float:
         sleep_s: float = super().tick(*args, **kwargs)
@@ -52,11 +55,31 @@ class HeartbeatScheduler(PersistentScheduler):  # type: ignore[misc]
             settings = get_settings()
             if self._client is None:
                 self._client = _redis(settings)
-            mark_beat(self._client, settings.task_queue,
-                      3 * max(self.max_interval, sleep_s, 1.0),
-                      started=None if self._marked_at else time.time())
+            self._mark = mark_beat(self._client, settings.task_queue,
+                                   3 * max(self.max_interval, sleep_s, 1.0),
+                                   started=None if self._marked_at else time.time())
             self._marked_at = now
         return sleep_s
+
+    def close(self) -> None:
+        """Beat's clean shutdown (SIGTERM, SIGINT: celery's Service.stop syncs, then closes
+        the scheduler): its mark goes, so nothing takes a stopped beat for a running one
+        (`db downgrade` refuses while beat runs). Only its own mark: another beat's
+        newer one stays."""
+        try:
+            super().close()
+        finally:
+            if self._client is not None and self._mark is not None:
+                from workers.heartbeats import unmark_beat
+
+                unmark_beat(self._client, get_settings().task_queue, self._mark)
+                self._mark = None
+
+
+def beat_stale_after_s(settings: Settings) -> float:
+    """A beat mark older than this is a beat that is gone (`health --beat`, `db
+    downgrade`): three of its longest sleeps."""
+    return STALE_INTERVALS * beat_max_interval_s(settings)
 
 
 def beat_max_interval_s(settings: Settings) -> float:

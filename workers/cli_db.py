@@ -68,7 +68,8 @@ def db_downgrade(
     """Undo migrations down to REVISION. Stop every worker, beat, exporter and console of
     this store first (a worker or beat still answering on the broker refuses it, unless
     --force); without --yes, only says what would be undone."""
-    from workers.db_revisions import plan_downgrade, run_downgrade
+    from models.downgrade_guard import WouldStrand, refusal
+    from workers.db_revisions import plan_downgrade, run_downgrade, stranding
     from workers.preflight import shown
 
     settings = get_settings()
@@ -78,10 +79,16 @@ def db_downgrade(
         typer.echo(f"store {shown(url)} is already at {plan.target}: nothing to undo")
         return
     listing = ", ".join(plan.undone)
+    stranded = stranding(url, plan.target)
     if not yes:
         typer.echo(f"would undo on store {shown(url)}: {listing} (dropping what they added, "
                    "with its data); stop every leasekeeper process on this store, then run "
                    "again with --yes")
+        if stranded:  # --yes would refuse it now: say so, and what to do first
+            error_line(f"refused as things stand: {refusal(stranded)}")
+        raise typer.Exit(ExitCode.NEEDS_ATTENTION)
+    if stranded:
+        error_line(str(refusal(stranded)))
         raise typer.Exit(ExitCode.NEEDS_ATTENTION)
     running = [] if force else _running(settings)
     if running:
@@ -90,17 +97,26 @@ def db_downgrade(
                    "them. Stop every leasekeeper process on this store, then run the "
                    "downgrade again (--force to do it anyway)")
         raise typer.Exit(ExitCode.NEEDS_ATTENTION)
-    run_downgrade(url, plan.target)
+    try:
+        run_downgrade(url, plan.target)
+    except WouldStrand as exc:  # a lease went live since the look above
+        error_line(str(exc))
+        raise typer.Exit(ExitCode.NEEDS_ATTENTION) from None
     typer.echo(f"store {shown(url)} is at {plan.target} (undone: {listing})")
 
 
 def _running(settings: Settings) -> list[str]:
     """What of this installation answers on its broker now: its workers (by the queues they
-    consume) and beat (its liveness mark). A broker that cannot be reached tells nothing;
-    the README's order (stop them first) is then the only guard."""
+    consume) and beat (its liveness mark, fresh as `health --beat` judges it: a beat stopped
+    cleanly clears it, a killed one's goes stale). A broker that cannot be reached tells
+    nothing; the README's order (stop them first) is then the only guard."""
+    import time
+
     import redis
 
     from providers.errors import LeasekeeperError
+    from workers.beat import beat_stale_after_s
+    from workers.cli_common import human_duration
     from workers.cli_lanes import lanes_online
     from workers.heartbeats import last_beat
     from workers.preflight import check_broker
@@ -116,8 +132,9 @@ def _running(settings: Settings) -> list[str]:
         running.append(f"{len(workers)} worker(s) ({', '.join(sorted(workers))})")
     client = redis.Redis.from_url(broker, socket_timeout=2.0, socket_connect_timeout=2.0)
     try:
-        if last_beat(client, settings.task_queue) is not None:
-            running.append("beat")
+        at = last_beat(client, settings.task_queue)
+        if at is not None and time.time() - at <= beat_stale_after_s(settings):
+            running.append(f"beat (last ticked {human_duration(time.time() - at)} ago)")
     except redis.RedisError:
         pass
     finally:

@@ -21,12 +21,10 @@ import redis
 import typer
 
 from providers.errors import LeasekeeperError
-from workers.beat import SWEEPS
+from workers.beat import STALE_INTERVALS, SWEEPS
 from workers.cli_common import ExitCode, age, emit_json, human_duration, iso, runtime, table
 from workers.cli_leases import JsonOpt
 from workers.settings import Settings, get_settings
-
-STALE_INTERVALS = 3  # a sweep whose last tick is older than this many intervals is late
 
 
 def register(cli: typer.Typer) -> None:
@@ -317,7 +315,7 @@ def _probe(check: Check, settings: Settings, node: str | None, timeout_s: float
             case Check.WORKER:
                 return _probe_workers(settings, node, timeout_s)
             case Check.BEAT:
-                from workers.beat import beat_max_interval_s
+                from workers.beat import beat_stale_after_s
                 from workers.heartbeats import last_beat
 
                 check_broker(settings.effective_broker_url)
@@ -326,7 +324,7 @@ def _probe(check: Check, settings: Settings, node: str | None, timeout_s: float
                     at = last_beat(client, settings.task_queue)
                 finally:
                     client.close()
-                limit = STALE_INTERVALS * beat_max_interval_s(settings)
+                limit = beat_stale_after_s(settings)
                 if at is None or time.time() - at > limit:
                     return [f"beat has not ticked within {limit:g} s (no mark at "
                             f"leasekeeper:{settings.task_queue}:beat)"]

@@ -8,6 +8,7 @@ from enum import StrEnum
 
 from sqlalchemy.exc import SQLAlchemyError
 
+from models.downgrade_guard import Stranded
 from providers.errors import ConfigError
 from workers.preflight import (
     NewerStore,
@@ -150,6 +151,16 @@ def run_downgrade(url: str, revision: str) -> None:
     from models.migrate import downgrade
 
     try:
-        downgrade(url, revision)
+        downgrade(url, revision)  # WouldStrand: refused, nothing changed
     except SQLAlchemyError as exc:
         raise store_error(url, exc, "cannot downgrade") from None
+
+
+def stranding(url: str, revision: str) -> list[Stranded]:
+    """What going down to ``revision`` would strand (models/downgrade_guard.py)."""
+    from models.migrate import stranded_by
+
+    try:
+        return stranded_by(url, revision)
+    except SQLAlchemyError as exc:
+        raise store_error(url, exc, "cannot read the leases a downgrade would strand") from None

@@ -1,7 +1,8 @@
 """Liveness marks in Redis that `leasekeeper status` and `health --beat` read.
 
     leasekeeper:<queue>:beat                 beat's last scheduler tick (epoch seconds);
-                                             written by HeartbeatScheduler (workers/beat.py)
+                                             written by HeartbeatScheduler (workers/beat.py),
+                                             deleted by its clean shutdown
     leasekeeper:<queue>:beat:started         when that beat process started (or, if
                                              Redis lost it, its first tick after that)
     leasekeeper:<queue>:sweep:<name>:last    a sweep's last tick that ran: when, took_ms and
@@ -19,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -35,7 +36,8 @@ def sweep_key(queue: str, sweep: str) -> str:
 
 
 def mark_beat(client: redis.Redis[bytes], queue: str, ttl_s: float,
-              started: float | None = None) -> None:
+              started: float | None = None) -> str:
+    """Mark beat's tick now; returns the mark's value (for ``unmark_beat``)."""
     now = time.time()
     with contextlib.suppress(redis.RedisError):
         client.set(beat_key(queue), repr(now), ex=max(int(ttl_s), 1))
@@ -44,6 +46,19 @@ def mark_beat(client: redis.Redis[bytes], queue: str, ttl_s: float,
         # sweeps get their grace from then, not a false "has not run" at once.
         client.set(beat_key(queue) + ":started", repr(now if started is None else started),
                    ex=KEY_TTL_S, nx=started is None)
+    return repr(now)
+
+
+# Delete the key only while it holds this value: one beat's stop leaves another's mark alone.
+_DELETE_IF = ("if redis.call('get', KEYS[1]) == ARGV[1] then "
+              "return redis.call('del', KEYS[1]) end return 0")
+
+
+def unmark_beat(client: redis.Redis[bytes], queue: str, mark: str) -> None:
+    """A beat stopping cleanly: its mark (``mark``, what ``mark_beat`` returned) goes,
+    unless a later tick of another beat replaced it."""
+    with contextlib.suppress(redis.RedisError):
+        cast(Any, client).eval(_DELETE_IF, 1, beat_key(queue), mark)  # untyped in redis-py
 
 
 def last_beat(client: redis.Redis[bytes], queue: str) -> float | None:

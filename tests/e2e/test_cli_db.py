@@ -231,3 +231,64 @@ def test_a_downgrade_under_running_workers_is_refused_unless_forced(
         assert forced.returncode == 0, forced.stdout + forced.stderr
         assert revision_of(stack.store_url) == "0009_runs12"
         assert leasekeeper("db", "upgrade", env=env).returncode == 0
+
+
+def test_a_beat_stopped_cleanly_or_long_gone_does_not_refuse_a_downgrade(
+        redis_server: RedisServer, tmp_path: Path) -> None:
+    # Before: for ~35 s after beat stopped cleanly, `db downgrade --yes` said "not undone:
+    # beat ... running on the broker": its mark stayed in Redis, and any mark, however
+    # old, counted as a running beat.
+    import os
+    import signal
+    import sys
+    import time
+    import uuid
+
+    import redis
+
+    from models.migrate import upgrade
+    from tests.e2e.conftest import eventually
+    from tests.stack import REPO, WorkerStack
+    from workers.heartbeats import beat_key, last_beat
+
+    queue = f"beatstop-{uuid.uuid4().hex[:8]}"
+    stack = WorkerStack(name=queue, store_url=f"sqlite:///{tmp_path / 'store.db'}",
+                        root=tmp_path, broker_url=redis_server.url,
+                        extra_env={"LEASEKEEPER_TASK_QUEUE": queue})
+    upgrade(stack.store_url)
+    env = cli_env(**{k: v for k, v in stack.env.items() if k.startswith("LEASEKEEPER_")})
+    client = redis.Redis.from_url(redis_server.url)
+    with open(tmp_path / "beat.log", "ab") as log:
+        beat = subprocess.Popen(
+            [sys.executable, "-m", "celery", "-A", "workers.app", "beat", "-l", "info"],
+            cwd=REPO, env=stack.env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+    try:
+        # given a real beat of the installation that ticked
+        eventually(lambda: last_beat(client, queue), 60, "beat's first tick")
+        # while it runs, the downgrade is refused, saying when beat last ticked
+        refused = leasekeeper("db", "downgrade", "0009", "--yes", env=env)
+        assert refused.returncode == 1, refused.stdout + refused.stderr
+        short_error(refused, "not undone: beat (last ticked ", " ago) of this installation")
+        # when beat is stopped cleanly (SIGTERM, as `up`, compose and Kubernetes stop it)
+        os.killpg(beat.pid, signal.SIGTERM)
+        assert beat.wait(60) == 0
+    finally:
+        if beat.poll() is None:
+            os.killpg(beat.pid, signal.SIGKILL)
+            beat.wait(10)
+    # then its mark is gone, and the downgrade goes at once
+    assert last_beat(client, queue) is None
+    done = leasekeeper("db", "downgrade", "0009", "--yes", env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert revision_of(stack.store_url) == "0009_runs12"
+    # and a mark older than three of beat's longest sleeps (a killed beat's, in a Redis
+    # that kept it) is a beat that is gone, as `health --beat` judges it
+    client.set(beat_key(queue), repr(time.time() - 3600), ex=3600)
+    try:
+        older = leasekeeper("db", "downgrade", "0004", "--yes", env=env)
+        assert older.returncode == 0, older.stdout + older.stderr
+        assert leasekeeper("health", "--beat", env=env).returncode == 1
+    finally:
+        client.delete(beat_key(queue))
+        client.close()

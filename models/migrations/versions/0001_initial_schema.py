@@ -94,6 +94,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    from models.downgrade_guard import refuse_stranding
+
+    refuse_stranding(op.get_bind(), revision)  # live leases it would strand: refused
     with op.batch_alter_table('lease_events', schema=None) as batch_op:
         batch_op.drop_index(batch_op.f('ix_lease_events_lease_id'))
 

@@ -43,6 +43,9 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
+    from models.downgrade_guard import refuse_stranding
+
+    refuse_stranding(op.get_bind(), revision)  # live leases it would strand: refused
     with op.batch_alter_table("leases", schema=None) as batch_op:
         batch_op.drop_index("ix_leases_pool_members")
         batch_op.drop_index("ix_leases_warm_pool_created")
