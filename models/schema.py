@@ -58,6 +58,26 @@ class LeaseState(StrEnum):
 
 LIVE_STATES = frozenset({LeaseState.PROVISIONING, LeaseState.WARM, LeaseState.ACTIVE})
 FINAL_STATES = frozenset({LeaseState.DESTROYED, LeaseState.ABANDONED})
+_S = LeaseState
+# Every (from, to) move the lifecycle makes (None: the lease's first event), for the
+# exporter's transitions counter to start each at 0. The diagram in README's "What it
+# does", and the moves it leaves out: an acquire's claim failing or being cancelled, an
+# orphan recorded (None -> pending_cleanup), resources created after the lease ended
+# (destroyed/abandoned -> pending_cleanup), an operator's retry or forget of an abandoned
+# lease, a failed acquire whose provider holds nothing (pending_cleanup -> destroyed).
+LEASE_TRANSITIONS: tuple[tuple[LeaseState | None, LeaseState], ...] = (
+    (None, _S.PROVISIONING), (None, _S.PENDING_CLEANUP),
+    (_S.PROVISIONING, _S.ACTIVE), (_S.PROVISIONING, _S.WARM),
+    (_S.PROVISIONING, _S.PENDING_CLEANUP), (_S.PROVISIONING, _S.DESTROYING),
+    (_S.PROVISIONING, _S.ABANDONED),
+    (_S.WARM, _S.PROVISIONING), (_S.WARM, _S.PENDING_CLEANUP), (_S.WARM, _S.DESTROYING),
+    (_S.ACTIVE, _S.PENDING_CLEANUP), (_S.ACTIVE, _S.DESTROYING),
+    (_S.PENDING_CLEANUP, _S.DESTROYING), (_S.PENDING_CLEANUP, _S.DESTROYED),
+    (_S.DESTROYING, _S.DESTROYED), (_S.DESTROYING, _S.PENDING_CLEANUP),
+    (_S.DESTROYING, _S.ABANDONED),
+    (_S.ABANDONED, _S.PENDING_CLEANUP), (_S.ABANDONED, _S.DESTROYED),
+    (_S.DESTROYED, _S.PENDING_CLEANUP),
+)
 
 
 class RunStatus(StrEnum):
@@ -302,6 +322,13 @@ class Pool(Base):
     open_until: Mapped[datetime | None]  # the breaker creates nothing before this
     last_error: Mapped[str | None] = mapped_column(Text)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TickRun(StrEnum):
+    """A beat tick's ``run`` (sweep_ticks.run)."""
+    RAN = "ran"
+    SKIPPED = "skipped"  # another tick held the single-flight lock
+    FAILED = "failed"  # the tick raised (store or Redis down, ...)
 
 
 class SweepTick(Base):

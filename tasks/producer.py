@@ -49,7 +49,7 @@ from tasks.runs import finish_run as _finish
 from tasks.runs import parse_finish
 from tasks.runs import touch_lease as _touch
 from tasks.sent_cut import sendable
-from tasks.text import storable
+from tasks.text import printable, storable
 from workers.pool_settings import resolve_spec
 from workers.settings import (
     OFFERED_PROVIDERS,
@@ -160,7 +160,7 @@ def task_status(task_id: str) -> TaskStatus:
     for what is no task id; BrokerUnavailable (transient) when the result backend's Redis
     cannot be read, in the wording of a failed send."""
     if (not isinstance(task_id, str) or not 0 < len(task_id) <= TASK_ID_MAX_CHARS
-            or not task_id.isprintable() or any(c.isspace() for c in task_id)):
+            or not printable(task_id) or any(c.isspace() for c in task_id)):
         raise InvalidRequest(f"task_id must be the id of a sent task (1-{TASK_ID_MAX_CHARS} "
                              f"characters, no spaces); got {echo(task_id)}")
     found = AsyncResult(task_id, app=acquire.app)

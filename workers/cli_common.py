@@ -22,6 +22,7 @@ import typer
 
 from models.schema import utcnow
 from providers.errors import BrokerUnavailable, LeasekeeperError, NotFound, StoreUnavailable
+from tasks.text import one_line, printable, storable
 
 if TYPE_CHECKING:
     from models.reports import Page
@@ -109,7 +110,9 @@ def _json_default(value: Any) -> Any:
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
-    """An aligned plain-text table with a header line; empty cells show as '-'."""
+    """An aligned plain-text table with a header line; empty cells show as '-'. A cell is
+    one line: a newline, carriage return or tab in it shows as ``\\n``, ``\\r``, ``\\t``
+    (tasks/text.py ``one_line``), so stored text never breaks or fakes a row."""
     cells = [[_cell(v) for v in row] for row in rows]
     widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
     lines = ["  ".join(h.upper().ljust(w) for h, w in zip(headers, widths, strict=True))]
@@ -122,7 +125,21 @@ def _cell(value: Any) -> str:
         return "-"
     if isinstance(value, datetime):
         return iso(value) or "-"
-    return str(value)
+    return one_line(str(value))
+
+
+def show_fields(pairs: Sequence[tuple[str, Any]]) -> str:
+    """A `show` command's ``key: value`` lines, values aligned; empty values show as '-'.
+    A multi-line value (an error) stays multi-line, each further line indented to the
+    value's column, so none reads as a field of its own; a carriage return or tab shows
+    as ``\\r`` or ``\\t``, and what a terminal would act on as U+FFFD (tasks/text.py)."""
+    width = max(len(k) for k, _ in pairs) + 1
+    lines = []
+    for key, value in pairs:
+        text = "-" if value is None or value == "" else str(value)
+        shown = [one_line(line) for line in storable(text).split("\n")]
+        lines.append(f"{key + ':':<{width}} " + ("\n" + " " * (width + 1)).join(shown))
+    return "\n".join(lines)
 
 
 def iso(moment: datetime | None) -> str | None:
@@ -185,7 +202,7 @@ def not_empty(value: Any) -> Any:
         if v is not None and re.search("[\ud800-\udfff]", v):
             raise typer.BadParameter(f"{v[:40]!r} is not valid text (bytes that are not "
                                      "UTF-8); give the value as text")
-        if v is not None and not v.isprintable():  # as the console's filters (a 400)
+        if v is not None and not printable(v):  # as the console's filters (a 400)
             raise typer.BadParameter(f"{v[:40]!r} must be printable text, without control "
                                      "characters")
     return value

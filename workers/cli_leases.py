@@ -30,6 +30,7 @@ from workers.cli_common import (
     parse_duration,
     require_broker,
     runtime,
+    show_fields,
     table,
 )
 
@@ -169,9 +170,7 @@ def leases_show(lease_id: str, as_json: JsonOpt = False) -> None:
               ("cleanup attempts", lease.cleanup_attempts),
               ("next cleanup", iso(lease.next_cleanup_at)), ("last error", lease.last_error),
               ("updated", iso(lease.updated_at))]
-    width = max(len(k) for k, _ in fields)
-    for key, value in fields:
-        typer.echo(f"{key + ':':<{width + 1}} {'-' if value in (None, '') else value}")
+    typer.echo(show_fields(fields))
     typer.echo("\nhistory:")
     typer.echo(table(["at", "from", "to", "reason", "task"],
                      [[e.at, e.from_state, e.to_state, e.reason, e.task_id] for e in events]))

@@ -20,6 +20,7 @@ from workers.cli_common import (
     page_footer,
     page_json,
     runtime,
+    show_fields,
     table,
 )
 from workers.cli_leases import BeforeOpt, JsonOpt, LimitOpt, lease_json, run_json
@@ -85,6 +86,4 @@ def runs_show(run_id: str, as_json: JsonOpt = False) -> None:
               ("finished", iso(run.finished_at)), ("detached since", iso(run.detached_since)),
               ("cancel requested", run.cancel_requested),
               ("reclaim", run.reclaim_outcome), ("reclaimed", iso(run.reclaimed_at))]
-    width = max(len(k) for k, _ in fields)
-    for key, value in fields:
-        typer.echo(f"{key + ':':<{width + 1}} {'-' if value in (None, '') else value}")
+    typer.echo(show_fields(fields))

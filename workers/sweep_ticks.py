@@ -9,11 +9,11 @@ never fails the tick itself: the tick's work is done by then.
 from __future__ import annotations
 
 import logging
-from enum import StrEnum
 from typing import Any
 
 from celery.signals import task_failure, task_success
 
+from models.schema import TickRun
 from providers.errors import LeasekeeperError
 
 log = logging.getLogger("leasekeeper.sweep_ticks")
@@ -21,10 +21,6 @@ SWEEP_PREFIX = "sweep."
 _RESERVED = {"sweep", "run", "took_ms", "items"}
 
 
-class TickRun(StrEnum):
-    RAN = "ran"
-    SKIPPED = "skipped"  # another tick held the single-flight lock
-    FAILED = "failed"  # the tick raised (store or Redis down, ...)
 
 
 def _record(sweep: str, run: str, took_ms: int, counts: dict[str, Any],

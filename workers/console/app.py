@@ -48,6 +48,7 @@ from tasks.operator import (
     request_destroy,
     retry_abandoned,
 )
+from tasks.text import printable, storable
 from workers.beat import SWEEPS
 from workers.cli_common import MAX_DURATION_D
 from workers.console.auth import BasicAuth, Csrf, unauthorized
@@ -118,6 +119,13 @@ def ts(moment: datetime | None) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S") + "Z" if moment else "-"
 
 
+def _shown(value: Any) -> Any:
+    """Every value a page shows: text as the store would keep it (tasks/text.py), so a row
+    stored before a character was replaced (a C1 control, a bidi override) shows it
+    replaced too."""
+    return storable(value) if isinstance(value, str) else value
+
+
 def safe_spec(spec: dict[str, Any] | None) -> dict[str, Any]:
     """The spec to show: env values and anything secret left out (names only)."""
     shown: dict[str, Any] = {}
@@ -134,7 +142,7 @@ def safe_spec(spec: dict[str, Any] | None) -> dict[str, Any]:
 def parse_filter(request: Request) -> LeaseFilter:
     q = request.query_params
     for key, text in q.multi_items():  # before any query (PostgreSQL refuses a NUL)
-        if not text.isprintable():
+        if not printable(text):
             raise BadRequest(f"{key[:40]!r} must be printable text, without NUL or other "
                              f"control characters; got {text[:40]!r}")
     state = q.get("state") or None
@@ -184,7 +192,7 @@ def build_app(settings: Settings, store: Store, user: str, password: str,
     observe = Observe(store)
     csrf = Csrf()
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATES), autoescape=True,
-                             undefined=jinja2.StrictUndefined)
+                             undefined=jinja2.StrictUndefined, finalize=_shown)
     env.filters["ts"] = ts
     env.globals.update(age=age, flower=settings.console_flower_url.rstrip("/"),
                        states=list(LeaseState))

@@ -31,7 +31,15 @@ from prometheus_client.registry import Collector
 
 from models.observe import UNFINISHED_RUNS, Observe, TailedEvent
 from models.pool_store import MEMBER_STATES, BreakerState, PoolStore
-from models.schema import LeaseState, ProviderErrorClass, ReclaimOutcome, SweepTick, utcnow
+from models.schema import (
+    LEASE_TRANSITIONS,
+    LeaseState,
+    ProviderErrorClass,
+    ReclaimOutcome,
+    SweepTick,
+    TickRun,
+    utcnow,
+)
 from providers.errors import LeasekeeperError
 from workers.beat import SWEEPS
 from workers.metrics.tail import IdTail, ReclaimTail
@@ -92,11 +100,14 @@ def utc_timestamp(moment: datetime) -> float:
     return (moment - datetime(1970, 1, 1)).total_seconds()
 
 
+OTHER_REASON = "other"  # the reason class of a reason no needle matches
+
+
 def reason_class(reason: str) -> str:
     for name, needles in REASON_CLASSES:
         if any(needle in reason for needle in needles):
             return name
-    return "other"
+    return OTHER_REASON
 
 
 def rank_tenants(counts: Iterable[tuple[str, str, str, int]], top_n: int) -> set[str]:
@@ -158,8 +169,15 @@ class LeaseCollector(Collector):
             "(transient, terminal) and HTTP status ('none' without one).",
             ["provider", "error_class", "status"], registry=None)
         # Known label sets start at 0, so the first increment is an increase() too.
+        for sweep in SWEEPS:
+            for tick_run in TickRun:
+                self.ticks.labels(sweep, tick_run.value)
         for provider in settings.providers:
             self.orphans.labels(provider)
+            for frm, to in LEASE_TRANSITIONS:
+                self.transitions.labels(frm.value if frm else "none", to.value, provider)
+            for name in [*(name for name, _needles in REASON_CLASSES), OTHER_REASON]:
+                self.not_resumable.labels(provider, name)
             for error_class in ProviderErrorClass:
                 self.provider_errors.labels(provider, error_class.value, NO_STATUS)
             for outcome in sorted(set(_ACQUIRE_OUTCOME.values())):
