@@ -7,7 +7,9 @@ Flower shows every lifecycle task. Redaction is worker-side (tasks/redaction.py)
 filter goes on every handler once Celery has set logging up, in the worker and in beat.
 At start the worker logs which broker it uses (password hidden) and where that came from.
 The app keeps to leasekeeper's settings (never the CELERY_* variables of a web project's
-own Celery app) and does not become the process's current app (workers/own_conf.py).
+own Celery app), does not become the process's current app and shares no task with other
+apps (workers/own_conf.py); every signal handler here acts for this app only, never for a
+web project's own worker in whose process the producer was imported (workers/own_signals.py).
 Tasks are routed to lanes (workers/queues.py) so cleanup never waits behind queued acquires.
 """
 
@@ -24,6 +26,7 @@ from celery.signals import (
     after_setup_task_logger,
     beat_init,
     celeryd_after_setup,
+    import_modules,
     worker_init,
     worker_process_init,
 )
@@ -32,6 +35,7 @@ from kombu.utils.url import maybe_sanitize_url
 from providers.errors import ConfigError
 from workers.beat import beat_max_interval_s, beat_schedule
 from workers.own_conf import LeasekeeperCelery, refusal
+from workers.own_signals import is_app, is_current, setting_up_our_logs
 from workers.queues import LaneRouter, task_queues
 from workers.settings import Settings, get_settings
 
@@ -107,12 +111,28 @@ def create_app(settings: Settings | None = None) -> Celery:
 
 
 def _started_by_celery() -> str | None:
-    """The celery command this process runs (``worker``, ``beat``...), if it is celery's."""
+    """The celery command this process runs (``worker``, ``beat``...), if it is celery's
+    and its app (``-A``) is this one; None in any other process, a web project's own
+    ``celery -A myweb.celery worker`` that imports the producer too."""
     import sys
 
     if Path(sys.argv[0]).name != "celery" and Path(sys.argv[0]).parent.name != "celery":
         return None
+    if not _celery_loads_this_app():
+        return None
     return next((arg for arg in sys.argv[1:] if arg in CELERY_COMMANDS), "celery")
+
+
+def _celery_loads_this_app() -> bool:
+    """celery's ``-A`` / ``--app`` / CELERY_APP (which it is importing this module for, in
+    its click context) names this app; true too when celery's context is not at hand."""
+    import click
+
+    context = click.get_current_context(silent=True)
+    named = context.params.get("app") if context is not None else None
+    if not isinstance(named, str):
+        return True
+    return named.replace(":", ".") in (__name__, f"{__name__}.app")
 
 
 CELERY_COMMANDS = ("worker", "beat", "flower", "events", "inspect", "control", "status",
@@ -122,16 +142,9 @@ CELERY_COMMANDS = ("worker", "beat", "flower", "events", "inspect", "control", "
 def _app_or_exit() -> Celery:
     """The app; under celery's own command, a setting that is invalid ends the process in one
     line (exit 2), as the preflight's refusals do, not in Celery's "Unable to load celery
-    application" traceback with the message on its last line. A worker or beat whose
-    CELERY_* broker or backend variable names another than leasekeeper's is refused so
-    too (workers/own_conf.py)."""
+    application" traceback with the message on its last line."""
     try:
-        made = create_app()
-        if _started_by_celery() in ("worker", "beat"):
-            problem = refusal(get_settings())
-            if problem:
-                raise ConfigError(problem)
-        return made
+        return create_app()
     except ConfigError as exc:
         process = _started_by_celery()
         if process is None:
@@ -145,9 +158,25 @@ def _app_or_exit() -> Celery:
 app = _app_or_exit()
 
 
+@import_modules.connect(sender=app)
+def _refuse_a_celery_broker_that_differs(**_: Any) -> None:
+    # A worker or beat of this app whose CELERY_* broker or backend variable names another
+    # than leasekeeper's (workers/own_conf.py): exit 2 in one line, before its banner. Sent
+    # by Celery's loader when the worker or beat imports its task modules.
+    process = _started_by_celery()
+    problem = refusal(get_settings()) if process in ("worker", "beat") else None
+    if problem:
+        import sys
+
+        print(f"leasekeeper {process} not started: {problem}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 @after_setup_logger.connect
 @after_setup_task_logger.connect
 def _set_up_logs(logger: logging.Logger, **_: Any) -> None:
+    if not setting_up_our_logs():
+        return  # another app's logging (a web project's own worker): not ours to change
     # JSON lines, task ids, the rotating file (workers/logs.py); then redaction on every
     # handler that results (tasks/redaction.py), so no handler escapes it.
     import sys
@@ -165,7 +194,9 @@ def _set_up_logs(logger: logging.Logger, **_: Any) -> None:
 
 
 @celeryd_after_setup.connect
-def _say_which_broker(**_: Any) -> None:
+def _say_which_broker(instance: Any = None, **_: Any) -> None:
+    if not is_app(instance, app):
+        return
     settings = get_settings()
     # At WARNING, so it shows at the default log level too: a worker looping on an
     # unreachable broker must say which one and why that one.
@@ -177,7 +208,9 @@ def _say_which_broker(**_: Any) -> None:
 
 @worker_init.connect
 @beat_init.connect
-def _warn_unknown_settings(**_: Any) -> None:
+def _warn_unknown_settings(sender: Any = None, **_: Any) -> None:
+    if not is_app(sender, app):
+        return
     from workers.settings import warn_unknown_variables
 
     warn_unknown_variables()
@@ -188,7 +221,9 @@ def _warn_unknown_settings(**_: Any) -> None:
 # A broker that refuses the password: exit (code 2) naming the setting, instead of
 # retrying for ever (workers/preflight.py).
 @worker_init.connect
-def _worker_refuses_a_broker_password_refused(**_: Any) -> None:
+def _worker_refuses_a_broker_password_refused(sender: Any = None, **_: Any) -> None:
+    if not is_app(sender, app):
+        return
     from workers.preflight import refuse_a_broker_that_refuses_us
 
     refuse_a_broker_that_refuses_us("worker")
@@ -196,37 +231,47 @@ def _worker_refuses_a_broker_password_refused(**_: Any) -> None:
 
 @beat_init.connect
 def _beat_reads_no_results(sender: Any = None, **_: Any) -> None:
+    if not is_app(sender, app):
+        return
     # Beat sends the sweeps and never reads a result; Celery's Redis backend subscribes
     # the sender to each task's result channel anyway, and while Redis is away it logged
     # CRITICAL "Retry limit exceeded while trying to reconnect to the Celery result store
     # backend. The Celery application must be restarted." for each tick (it need not be).
-    backend = (sender.app if sender is not None else app).backend
+    backend = app.backend
     backend.on_task_call = lambda producer, task_id: None
 
 
 @beat_init.connect
-def _beat_refuses_a_broker_password_refused(**_: Any) -> None:
+def _beat_refuses_a_broker_password_refused(sender: Any = None, **_: Any) -> None:
+    if not is_app(sender, app):
+        return
     from workers.preflight import refuse_a_broker_that_refuses_us
 
     refuse_a_broker_that_refuses_us("beat")
 
 
 @worker_init.connect
-def _worker_refuses_a_store_unfit_to_start(**_: Any) -> None:
+def _worker_refuses_a_store_unfit_to_start(sender: Any = None, **_: Any) -> None:
+    if not is_app(sender, app):
+        return
     from workers.preflight import refuse_a_store_unfit_to_start
 
     refuse_a_store_unfit_to_start("worker", writes=True)
 
 
 @beat_init.connect
-def _beat_refuses_a_store_unfit_to_start(**_: Any) -> None:
+def _beat_refuses_a_store_unfit_to_start(sender: Any = None, **_: Any) -> None:
+    if not is_app(sender, app):
+        return
     from workers.preflight import refuse_a_store_unfit_to_start
 
     refuse_a_store_unfit_to_start("beat", writes=False)  # beat only sends tasks
 
 
 @worker_init.connect
-def _import_providers_before_fork(**_: Any) -> None:
+def _import_providers_before_fork(sender: Any = None, **_: Any) -> None:
+    if not is_app(sender, app):
+        return
     # In the worker's main process, before the pool forks: see PROVIDER_MODULES.
     from workers.runtime import import_provider_modules
 
@@ -234,7 +279,9 @@ def _import_providers_before_fork(**_: Any) -> None:
 
 
 @worker_init.connect
-def _cheap_result_reprs(**_: Any) -> None:
+def _cheap_result_reprs(sender: Any = None, **_: Any) -> None:
+    if not is_app(sender, app):
+        return
     # Before the pool forks, so every pool process renders results the cheap way when
     # that gives saferepr's text (workers/result_repr.py).
     from workers.result_repr import install
@@ -244,6 +291,8 @@ def _cheap_result_reprs(**_: Any) -> None:
 
 @worker_process_init.connect
 def _fresh_runtime_after_fork(**_: Any) -> None:
+    if not is_current(app):
+        return
     # A prefork child must not reuse the parent's database connections.
     from workers.runtime import set_runtime
 

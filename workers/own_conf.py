@@ -12,12 +12,16 @@ own Celery set-up and leasekeeper's app, in one process, interfere:
 - ``Celery(...)`` makes itself the process's current app by default, so a project's
   ``@shared_task`` and ``celery.current_app`` went to leasekeeper's broker and queue once
   the producer was imported: ``LeasekeeperCelery`` is created with
-  ``set_as_current=False``. leasekeeper's tasks are bound to it (``@app.task``); Celery's
-  worker and beat make their app current themselves.
+  ``set_as_current=False``. leasekeeper's tasks are bound to it alone (``@app.task``
+  with ``shared=False``: Celery's default adds a task to every app in the process, and
+  the user's own worker listed ``lease.acquire``...); Celery's worker makes its app
+  current itself.
 
 ``celery --broker X`` sets CELERY_BROKER_URL, which leasekeeper now ignores: a worker or
 beat started with a CELERY_* broker or backend that differs from leasekeeper's refuses to
-start (``refusal``) instead of running on a broker it was not asked for.
+start (``refusal``, on the ``import_modules`` signal of leasekeeper's app: a web project's
+own worker, whose code imports the producer, is not refused) instead of running on a
+broker it was not asked for.
 """
 
 from __future__ import annotations
@@ -61,12 +65,22 @@ def _own(conf: CelerySettings) -> OwnSettings:
 
 
 class LeasekeeperCelery(Celery):  # type: ignore[misc]  # celery is untyped
-    """A Celery app that never becomes the process's current app on creation and whose
-    conf is an OwnSettings, before and after Celery loads the configuration."""
+    """A Celery app that never becomes the process's current app on creation, whose conf
+    is an OwnSettings, before and after Celery loads the configuration, whose tasks are its
+    own (never shared with other apps) and whose logging set-up is marked as its own
+    (workers/own_signals.py)."""
+
+    log_cls = "workers.own_signals:OwnLogging"
 
     def __init__(self, main: str, **kwargs: Any) -> None:
         super().__init__(main, set_as_current=False, **kwargs)
         _own(self._conf)
+
+    def task(self, *args: Any, **opts: Any) -> Any:
+        # Celery's default shared=True adds a task to every app in the process when that
+        # app is finalized: a web project's own worker listed (and would run) lease.*.
+        opts.setdefault("shared", False)
+        return super().task(*args, **opts)
 
     def _load_config(self) -> OwnSettings:
         return _own(super()._load_config())

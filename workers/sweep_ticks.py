@@ -2,8 +2,9 @@
 failed), is one row of ``sweep_ticks`` in the store, written by the worker's Celery task
 signals. The metrics exporter tails it and the console shows it; no sweep code changes.
 
-Connected when workers/app.py imports this module. A failure to record is logged and
-never fails the tick itself: the tick's work is done by then.
+Connected when workers/app.py imports this module; a task of another app (a web project's
+own, named ``sweep.*`` or not) is no tick. A failure to record is logged and never fails
+the tick itself: the tick's work is done by then.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ _RESERVED = {"sweep", "run", "took_ms", "items"}
 
 
 
+def _ours(task: Any) -> bool:
+    from workers.app import app
+    from workers.own_signals import is_app
+
+    return is_app(task, app)
+
+
 def _record(sweep: str, run: str, took_ms: int, counts: dict[str, Any],
             items: dict[str, Any], task_id: str | None) -> None:
     from models.observe import Observe
@@ -39,7 +47,7 @@ def _record(sweep: str, run: str, took_ms: int, counts: dict[str, Any],
 @task_success.connect
 def _tick_succeeded(sender: Any = None, result: Any = None, **_: Any) -> None:
     name = str(getattr(sender, "name", ""))
-    if not name.startswith(SWEEP_PREFIX) or not isinstance(result, dict):
+    if not name.startswith(SWEEP_PREFIX) or not isinstance(result, dict) or not _ours(sender):
         return
     counts = {k: v for k, v in result.items() if k not in _RESERVED and isinstance(v, int)}
     _record(name, str(result.get("run", TickRun.RAN)), int(result.get("took_ms", 0)), counts,
@@ -51,7 +59,7 @@ def _tick_succeeded(sender: Any = None, result: Any = None, **_: Any) -> None:
 def _tick_failed(sender: Any = None, task_id: str | None = None, exception: Any = None,
                  **_: Any) -> None:
     name = str(getattr(sender, "name", ""))
-    if not name.startswith(SWEEP_PREFIX):
+    if not name.startswith(SWEEP_PREFIX) or not _ours(sender):
         return
     _record(name, TickRun.FAILED, 0, {},
             {"items": [], "error": f"{type(exception).__name__}: {exception}"[:300]}, task_id)
