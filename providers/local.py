@@ -104,6 +104,21 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
+def _killed(ident: ProcessIdentity | None, alive: bool, code: int | None) -> str | None:
+    """Why a started sandbox whose process group is gone left no exit code: its wrapper
+    (which writes the code when the command ends) was killed with it (SIGKILL of the
+    group, the OOM killer). None while it runs, once it wrote a code, or before it was
+    ever started (a workspace being created has no process yet)."""
+    if ident is None or alive or code is not None:
+        return None
+    return killed_reason(ident.pid)
+
+
+def killed_reason(pid: int) -> str:
+    """The stop reason of a sandbox whose process group ended with no exit code written."""
+    return f"process {pid} killed"
+
+
 def _marked_processes(root: Path) -> dict[str, list[int]]:
     """Live processes whose ``LEASEKEEPER_WORKSPACE`` is a workspace under ``root``, by name."""
     found: dict[str, list[int]] = {}
@@ -335,9 +350,12 @@ class LocalProvider:
             ticks = _start_ticks(ident.pid)
             if ticks is None:
                 code = self.exit_code(handle)
-                suffix = f" with exit code {code}" if code is not None else ""
-                return ResumeResult.not_resumable(f"process {ident.pid} exited{suffix}",
-                                                  exit_code=code)
+                suffix = f" with exit code {code}" if code is not None else " (killed)"
+                # as list_managed reports it, so the runs' record does not depend on
+                # which of sweep.finish_exited and this check noticed first
+                return ResumeResult.not_resumable(
+                    f"process {ident.pid} exited{suffix}", exit_code=code,
+                    exit_reason=killed_reason(ident.pid) if code is None else None)
             if ticks != ident.start_ticks:
                 return ResumeResult.not_resumable(
                     f"process {ident.pid} exited and its pid was reused"
@@ -483,6 +501,10 @@ class LocalProvider:
             ident = self._identity(record)
             raw_labels = record.get("labels")
             labels: dict[str, Any] = raw_labels if isinstance(raw_labels, dict) else {}
+            alive = bool(ident and _alive(ident)) or path.name in marked
+            # read after ``alive``: a command that ended by itself has its code written
+            # before its wrapper exits
+            code = self.exit_code(LeaseHandle(path.name, self.backend))
             found.append(ManagedResource(
                 name=path.name,
                 backend=self.backend,
@@ -492,9 +514,10 @@ class LocalProvider:
                 meta={"pid": ident.pid if ident else None,
                       "start_ticks": ident.start_ticks if ident else None,
                       "workspace": str(path),
-                      "alive": bool(ident and _alive(ident)) or path.name in marked,
+                      "alive": alive,
                       "tenant": labels.get("leasekeeper.dev/tenant")},
-                exit_code=self.exit_code(LeaseHandle(path.name, self.backend)),
+                exit_code=code,
+                exit_reason=_killed(ident, alive, code),
             ))
         listed = {r.name for r in found}
         for name, pids in sorted(marked.items()):

@@ -11,7 +11,10 @@ path (``tasks.runs.finish``), so its reclaim is enqueued exactly when run.finish
 enqueue it (never for a reused sandbox's runs); each run counts against the batch.
 A resume check that finds the exit first records the runs the same way (tasks/resume.py;
 ``tasks.runs.exited_run`` is the one mapping): the record does not depend on who noticed.
-Unknown (no ``exit_code`` and no ``exit_reason``) is never taken for finished. The guarded
+Unknown (no ``exit_code`` and no ``exit_reason``) is never taken for finished; a
+process group killed outright leaves no code (the local provider reports it as
+``exit_reason``), and while its lease is being destroyed that is most likely the
+destroy's own kill: such a run is left to the lease's end, which settles it. The guarded
 finish is the claim: of two overlapping ticks, only one changes the run and enqueues its
 reclaim. A warm pool member whose command exited (it has no run) is no use to any run: it
 goes warm → pending_cleanup and is destroyed.
@@ -43,6 +46,11 @@ class ExitedOutcome(StrEnum):
     DEFERRED = "deferred"  # beyond this tick's batch: next tick
     WARM_EXITED = "warm_exited"  # a warm pool member's command exited: drained, destroy sent
     LIST_FAILED = "list_failed"  # a provider could not list its resources: next tick
+    LEASE_ENDING = "lease_ending"  # stopped, no exit code, its lease being destroyed: left
+    #                                to the lease's end, which settles its runs
+
+
+_ENDING = frozenset({LeaseState.DESTROYING, LeaseState.PENDING_CLEANUP})
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,11 @@ def finish_exited(ctx: SweepContext) -> Tally:
             continue
         if lease.state == LeaseState.PROVISIONING:
             tally.add(ExitedOutcome.NOT_YET_ACTIVE, lease.lease_id)
+            continue
+        if ended.code is None and lease.state in _ENDING:
+            # stopped with no exit code while its lease is being destroyed: most likely by
+            # that destroy (it kills the process group); the lease's end settles its runs
+            tally.add(ExitedOutcome.LEASE_ENDING, run.run_id)
             continue
         if budget == 0:
             tally.add(ExitedOutcome.DEFERRED, run.run_id)

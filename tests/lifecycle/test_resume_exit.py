@@ -121,16 +121,21 @@ def test_a_reuse_that_finds_the_sandbox_exited_records_the_earlier_run_exit(
     assert record(rt, "run-2")[0] == RunStatus.RUNNING
 
 
-def test_an_unknown_exit_still_aborts_the_run_with_its_lease(rt: Runtime) -> None:
+def test_a_killed_process_group_fails_the_run_as_killed(rt: Runtime) -> None:
+    # A group killed outright (SIGKILL, the OOM killer) writes no exit code. Before, the
+    # check left the run running until the lease's end aborted it, while the sandbox was
+    # known to be gone (and a warm member killed so stayed warm: a QA pass); now the check
+    # and sweep.finish_exited both record it as stopped, killed, with no exit code.
     lease_id = acquire(rt)
-    os.killpg(int(rt.store.get_lease(lease_id).provider_meta["pid"]), signal.SIGKILL)
-    until_gone(rt, "local", lease_id, "the process to die")  # no sentinel: exit unknown
+    pid = int(rt.store.get_lease(lease_id).provider_meta["pid"])
+    os.killpg(pid, signal.SIGKILL)
+    until_gone(rt, "local", lease_id, "the process to die")  # no sentinel written
     checked = check_lease(rt, lease_id, None)
     assert checked.outcome == ResumeOutcome.NOT_RESUMABLE
-    assert record(rt)[0] == RunStatus.RUNNING  # unknown is never taken for finished
+    assert record(rt) == (RunStatus.FAILED, None, "the sandbox was stopped before its "
+                          f"command exited (process {pid} killed); no exit code")
     destroy_lease(rt, lease_id, checked.destroy_reason, None)
-    assert record(rt) == (RunStatus.ABORTED, None,
-                          f"its lease {lease_id} ended: not_resumable")
+    assert record(rt)[0] == RunStatus.FAILED  # the lease's end does not change it
 
 
 def test_through_the_worker_a_resume_check_records_the_crash(stack: WorkerStack) -> None:

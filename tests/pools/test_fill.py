@@ -406,6 +406,32 @@ def test_a_warm_member_whose_command_exited_is_drained_by_finish_exited(
     assert ended.state == LeaseState.DESTROYED and ended.end_reason == "pool_member_exited"
 
 
+def test_a_warm_member_killed_outright_is_drained_by_finish_exited(
+        runtime_with: Callable[..., Runtime]) -> None:
+    # Before: a member whose whole process group was SIGKILLed (the OOM killer, a lost
+    # host) left no exit code, was listed only as alive=False, and stayed warm, counted in
+    # `pools`, status and metrics, until max_age (1 h) or a claim tripped on it (a QA pass).
+    import os
+    import signal
+
+    from tasks.finish_exited import ExitedOutcome, finish_exited
+    from tasks.sweeping import SweepContext
+
+    rt = runtime_with(pools=[pool(size=1)])
+    effects = PoolRecorder(rt, inline=True, inline_provision=True)
+    fill(rt, effects)
+    (member,) = warm(rt)
+    (listed,) = [r for r in rt.provider("local").list_managed()
+                 if r.lease_id == member.lease_id]
+    os.killpg(int(listed.meta["pid"]), signal.SIGKILL)
+    eventually(lambda: not any(r.meta["alive"] for r in rt.provider("local").list_managed()
+                               if r.lease_id == member.lease_id), 30, "the member to die")
+    tally = finish_exited(SweepContext(rt, effects))
+    assert tally[ExitedOutcome.WARM_EXITED] == 1
+    ended = rt.store.get_lease(member.lease_id)
+    assert ended.state == LeaseState.DESTROYED and ended.end_reason == "pool_member_exited"
+
+
 def test_a_template_whose_command_exits_opens_the_breaker_instead_of_churning(
         runtime_with: Callable[..., Runtime]) -> None:
     # Before: each member became ready (closing the breaker), exited, was drained and

@@ -16,9 +16,9 @@ from providers.faulty import FaultPlan
 from tasks.finish_exited import ExitedOutcome, finish_exited
 from tasks.runs import finish
 from tasks.sweeping import SweepContext
-from tests.e2e.conftest import eventually
+from tests.e2e.conftest import eventually, until_gone
 from tests.stack import WorkerStack
-from tests.sweeps.conftest import Recorder, acquire, concurrently
+from tests.sweeps.conftest import Recorder, acquire, concurrently, set_lease
 from workers.app import app
 from workers.runtime import Runtime
 
@@ -80,18 +80,34 @@ def test_the_exit_text_is_stored_even_when_the_runs_secret_marks_are_gone(
         RunStatus.FAILED, 3, "the sandbox command exited with code 3")
 
 
-def test_unknown_is_never_finished(rt: Runtime, effects: Recorder) -> None:
+def test_a_killed_group_is_finished_as_killed_and_a_running_one_never(
+        rt: Runtime, effects: Recorder) -> None:
+    # Before: a group killed outright (no exit code written) was "unknown" and its run
+    # stayed running until its lease's idle or absolute deadline, though the sandbox was
+    # known to be gone (a QA pass: a warm member killed so stayed warm for an hour).
     running = acquire(rt, "run-running")  # the idle shell: still running
     killed = acquire(rt, "run-killed")
-    os.killpg(int(rt.store.get_lease(killed).provider_meta["pid"]), signal.SIGKILL)
-    time.sleep(0.3)  # the wrapper died too: no sentinel, so the exit is unknown
+    ending = acquire(rt, "run-ending")  # killed while its lease is being destroyed
+    pids = {lease: int(rt.store.get_lease(lease).provider_meta["pid"])
+            for lease in (killed, ending)}
+    set_lease(rt, ending, state=LeaseState.DESTROYING)
+    for pid in pids.values():
+        os.killpg(pid, signal.SIGKILL)
+    until_gone(rt, "local", killed, "the killed group to die")
+    until_gone(rt, "local", ending, "the other killed group to die")
     listed = {r.lease_id: r for r in rt.provider("local").list_managed()}
-    assert listed[running].exit_code is None and listed[killed].exit_code is None
-    assert not listed[killed].meta["alive"]
+    assert listed[running].exit_reason is None and listed[running].exit_code is None
+    assert listed[killed].exit_code is None
+    assert listed[killed].exit_reason == f"process {pids[killed]} killed"
     tally = finish_exited(SweepContext(rt, effects))
-    assert sum(tally.counts.values()) == 0 and effects.reclaims == []
-    for run_id in ("run-running", "run-killed"):
-        assert rt.store.get_run(run_id).status == RunStatus.RUNNING
+    assert tally[ExitedOutcome.FAILED] == 1 and tally[ExitedOutcome.LEASE_ENDING] == 1
+    assert rt.store.get_run("run-running").status == RunStatus.RUNNING
+    run = rt.store.get_run("run-killed")
+    assert (run.status, run.exit_code, run.error) == (
+        RunStatus.FAILED, None, "the sandbox was stopped before its command exited "
+        f"(process {pids[killed]} killed); no exit code")
+    # the destroy killed it, most likely: the lease's end settles the run
+    assert rt.store.get_run("run-ending").status == RunStatus.RUNNING
 
 
 def test_a_reused_sandbox_outlives_its_run_as_after_run_finish(
