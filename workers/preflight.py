@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -129,6 +130,7 @@ def migrate(url: str, revision: str = "head") -> None:
     from models.migrate import upgrade
 
     check_driver(url)
+    sqlite_store_file(url)  # a folder that is not there, or a path that is one: said so
     try:
         upgrade(url, revision)
     except SQLAlchemyError as exc:
@@ -172,6 +174,10 @@ def sqlite_store_file(url: str) -> Path | None:
 
     path = sqlite_file(url)
     if path is not None:
+        if path.is_dir():
+            raise ConfigError(
+                f"the store's path {path} is a directory (LEASEKEEPER_STORE_URL="
+                f"{shown(url)}): it must name a file, e.g. {path / 'store.db'}")
         if path.parent.exists() and not path.parent.is_dir():
             raise ConfigError(
                 f"the store's folder {path.parent} is not a folder (LEASEKEEPER_STORE_URL="
@@ -407,6 +413,12 @@ _NOT_ALLOWED: dict[str, Callable[[str], str]] = {
 }
 
 
+# What libpq says of a URL whose connection options it cannot take (`?sslmode=bogus`,
+# `?nosuch=1`, `?connect_timeout=abc`), before it connects to anything.
+_BAD_OPTION = re.compile(r"^(connection is bad: )?(invalid (\w+ value|connection option|URI "
+                         r"query parameter)|bad value for \w+)")
+
+
 def store_error(url: str, exc: SQLAlchemyError, doing: str) -> ConfigError | StoreUnavailable:
     """A store error at the command line, in one line: a wrong database, user or password
     is a setting (ConfigError); anything else, the store is unavailable."""
@@ -420,6 +432,10 @@ def store_error(url: str, exc: SQLAlchemyError, doing: str) -> ConfigError | Sto
                 return ConfigError(f"{doing} the store {shown(url)}: the server says "
                                    f"{fatal[:200]!r}: {fix} (LEASEKEEPER_STORE_URL)")
     first = text.splitlines()[0][:200] if text else ""
+    if _BAD_OPTION.search(first):  # libpq refused the URL's own options: nothing to wait for
+        said = first.removeprefix("connection is bad: ")
+        return ConfigError(f"{doing} the store {shown(url)}: {said}: fix that option in "
+                           "LEASEKEEPER_STORE_URL")
     if "unable to open database file" in first:  # SQLite's word for any of these
         try:
             sqlite_store_file(url)
