@@ -238,14 +238,9 @@ def leases_destroy(
         targets = page.rows
         beyond = _beyond_limit(page)
         if not targets:  # nothing to do, with --yes or without: do not invite --yes
-            if as_json:
-                emit_json({"dry_run": not yes, "would_destroy": [], "destroyed": [],
-                           "more_matching": 0} if not yes else
-                          {"destroyed": [], "failed": 0, "unanswered": 0,
-                           "more_matching": 0})
-            error_line(f"no lease matched {_filters_text(state, provider, tenant, older_than)}"
-                       "; nothing to destroy")
-            raise typer.Exit(ExitCode.OK)
+            if yes:  # a broker it could not have sent to is still said (the next run would)
+                require_broker()
+            _nothing_matched(state, provider, tenant, older_than, yes, as_json)
         if not yes:  # the preview: it did what was asked, so exit 0
             if as_json:
                 emit_json({"dry_run": True, "would_destroy": [lease_json(x) for x in targets],
@@ -321,6 +316,19 @@ def leases_destroy(
                    f"(at most {MAX_LIMIT})")
     raise typer.Exit(ExitCode.NEEDS_ATTENTION if failed or queued or running or unawaited
                      or beyond else ExitCode.OK)
+
+
+def _nothing_matched(state: list[str], provider: str | None, tenant: str | None,
+                     older_than: str | None, yes: bool, as_json: bool) -> NoReturn:
+    """A filtered destroy that matched no lease: say so, exit 0 (it did what was asked),
+    without inviting --yes, which would do nothing more."""
+    if as_json:
+        emit_json({"destroyed": [], "failed": 0, "unanswered": 0, "more_matching": 0} if yes
+                  else {"dry_run": True, "would_destroy": [], "destroyed": [],
+                        "more_matching": 0})
+    error_line(f"no lease matched {_filters_text(state, provider, tenant, older_than)}; "
+               "nothing to destroy")
+    raise typer.Exit(ExitCode.OK)
 
 
 def _refuse_ended_states(states: list[str]) -> None:

@@ -127,10 +127,10 @@ def migrate(url: str, revision: str = "head") -> None:
     """`leasekeeper db upgrade` (and `up`): the driver checked first, failures in one line."""
     from alembic.util.exc import CommandError
 
-    from models.migrate import upgrade
+    from models.migrate import sqlite_file, upgrade
 
     check_driver(url)
-    sqlite_store_file(url)  # a folder that is not there, or a path that is one: said so
+    refuse_a_directory(url, sqlite_file(url))  # (a folder that is not there, it creates)
     try:
         upgrade(url, revision)
     except SQLAlchemyError as exc:
@@ -174,10 +174,7 @@ def sqlite_store_file(url: str) -> Path | None:
 
     path = sqlite_file(url)
     if path is not None:
-        if path.is_dir():
-            raise ConfigError(
-                f"the store's path {path} is a directory (LEASEKEEPER_STORE_URL="
-                f"{shown(url)}): it must name a file, e.g. {path / 'store.db'}")
+        refuse_a_directory(url, path)
         if path.parent.exists() and not path.parent.is_dir():
             raise ConfigError(
                 f"the store's folder {path.parent} is not a folder (LEASEKEEPER_STORE_URL="
@@ -190,6 +187,16 @@ def sqlite_store_file(url: str) -> Path | None:
                 f"right place, or create the folder and {UPGRADE}"
             )
     return path
+
+
+def refuse_a_directory(url: str, path: Path | None) -> None:
+    """A SQLite store's path (``path``, of ``url``) that is a directory: ConfigError saying
+    it must name a file. Without it, a directory reads as a store never migrated, and
+    `db upgrade` as a folder it cannot create."""
+    if path is not None and path.is_dir():
+        raise ConfigError(
+            f"the store's path {path} is a directory (LEASEKEEPER_STORE_URL={shown(url)}): "
+            f"it must name a file, e.g. {path / 'store.db'}")
 
 
 def read_only_sqlite(url: str) -> str | None:

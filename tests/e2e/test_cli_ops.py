@@ -113,9 +113,10 @@ def test_a_closed_stdout_stops_quietly_with_sigpipes_status(store: Store,
 
 
 def test_an_unknown_provider_is_refused_and_an_empty_destroy_says_so(
-        store: Store, env: dict[str, str]) -> None:
+        store: Store, no_worker_env: dict[str, str]) -> None:
     # Before: an empty table, exit 0, and the destroy preview "would destroy 0 lease(s);
-    # nothing was destroyed: add --yes to do it".
+    # nothing was destroyed: add --yes to do it". (--yes still checks the broker first.)
+    env = no_worker_env
     tenant = f"t-{uuid.uuid4().hex[:8]}"
     add(store, LeaseState.ACTIVE, tenant)
     refused(leasekeeper("leases", "list", "--provider", "nope", env=env), "--provider",
