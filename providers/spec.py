@@ -185,7 +185,8 @@ def _no_blank_ends(value: str) -> str:
 
 
 # A Kubernetes quantity (resource.Quantity's syntax): a decimal number and a suffix
-QUANTITY = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?\d+)?")
+QUANTITY = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)(([KMGTPE]i)|[numkMGTPE]|[eE][+-]?\d+)?",
+                      re.ASCII)  # ASCII digits: the API server takes no other
 _SUFFIX: dict[str, Decimal] = {
     "": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"),
     **{s: Decimal(10) ** (3 * i) for i, s in enumerate("kMGTPE", start=1)},

@@ -3,9 +3,14 @@ aligned tables, JSON output, durations and times.
 
 Exit codes mean the same for every command:
 
-    0  ok                     1  something needs a person (status, health, a failed demo)
-    2  bad input or settings  3  a service (broker, store) is unreachable
-    4  no such lease or run
+    0    ok
+    1    something needs a person (status, health, a failed or unconfirmed destroy, a
+         failed demo)
+    2    bad input or settings (a read-only store too: its URL is the setting to fix)
+    3    a service (broker, store) is unreachable
+    4    no such lease or run
+    141  stdout was closed (`leasekeeper leases list | head -1`): stopped quietly, with
+         the status a shell reports for a Unix tool SIGPIPE stopped (128 + 13)
 """
 
 from __future__ import annotations
@@ -21,7 +26,13 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from models.schema import utcnow
-from providers.errors import BrokerUnavailable, LeasekeeperError, NotFound, StoreUnavailable
+from providers.errors import (
+    BrokerUnavailable,
+    LeasekeeperError,
+    NotFound,
+    StoreReadOnly,
+    StoreUnavailable,
+)
 from tasks.text import one_line, printable, storable
 
 if TYPE_CHECKING:
@@ -35,11 +46,14 @@ class ExitCode(IntEnum):
     USAGE = 2
     UNAVAILABLE = 3
     NOT_FOUND = 4
+    PIPE_CLOSED = 141  # 128 + SIGPIPE: what a shell reports for a tool SIGPIPE stopped
 
 
 def exit_code_for(exc: LeasekeeperError) -> ExitCode:
     if isinstance(exc, NotFound):
         return ExitCode.NOT_FOUND
+    if isinstance(exc, StoreReadOnly):  # it answers: a setting to fix (the primary's URL)
+        return ExitCode.USAGE
     if isinstance(exc, StoreUnavailable | BrokerUnavailable):
         return ExitCode.UNAVAILABLE
     return ExitCode.USAGE
@@ -58,10 +72,21 @@ def run_cli(app: Callable[[], Any]) -> None:
     log = logging.getLogger("leasekeeper.cli")
     for warning in unknown_variables():
         log.warning("%s", warning)
+    stdout = sys.stdout
     try:
         app()
+    except SystemExit:
+        # Click stops a command whose stdout was closed (EPIPE: `leasekeeper leases list |
+        # head -1`) quietly, swapping in a stdout that swallows the last flush, and exits
+        # 1, which says "something needs a person": exit as SIGPIPE's status instead.
+        if sys.stdout is not stdout:
+            sys.exit(ExitCode.PIPE_CLOSED)
+        raise
+    except BrokenPipeError:  # a write outside the command's own (Click's) boundary
+        _quiet_stdout()
+        sys.exit(ExitCode.PIPE_CLOSED)
     except LeasekeeperError as exc:
-        log.error("%s", exc.outside_a_task())
+        log.error("%s", cli_message(exc))
         sys.exit(exit_code_for(exc))
     except Exception as exc:
         # A case no check foresaw: one line still, the traceback on request.
@@ -71,6 +96,32 @@ def run_cli(app: Callable[[], Any]) -> None:
                   "the traceback LEASEKEEPER_TRACEBACK=1 shows", type(exc).__name__,
                   str(exc).strip().splitlines()[0][:300] if str(exc).strip() else "")
         sys.exit(ExitCode.NEEDS_ATTENTION)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null: the interpreter's last flush then finds no closed pipe
+    (and prints no "Exception ignored ... BrokenPipeError")."""
+    import os
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def cli_message(exc: LeasekeeperError) -> str:
+    """How a command says ``exc``: without what a task would do about it; a store that
+    refused a write for being read-only, as `status` and `health --store` say it (their
+    check, workers/preflight.check_store_writable, names the store and the fix)."""
+    if isinstance(exc, StoreReadOnly):
+        from workers.preflight import check_store_writable
+        from workers.settings import get_settings
+
+        try:
+            check_store_writable(get_settings().effective_store_url)
+        except LeasekeeperError as checked:
+            if exit_code_for(checked) == exit_code_for(exc):
+                return checked.outside_a_task()
+    return exc.outside_a_task()
 
 
 _store_checked: set[str] = set()
@@ -169,7 +220,7 @@ def _next(unit: str) -> str:
     return {"d": "h", "h": "m"}[unit]
 
 
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*")
+_DURATION = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([smhd]?)\s*")  # ASCII digits only
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 MAX_DURATION_D = 36500  # 100 years: older than any lease, and still a date
 

@@ -39,8 +39,8 @@ def db_current(as_json: JsonOpt = False) -> None:
 
     url = get_settings().effective_store_url
     check_driver(url)
-    where = schema_position(url)
     path = sqlite_store_file(url)
+    where = schema_position(url)
     absent = f"there is no store at {path}, " if path is not None and not path.is_file() else ""
     if as_json:
         emit_json({"store": shown(url), "exists": not absent,

@@ -68,9 +68,28 @@ def _filter(state: list[str] | None, provider: str | None, tenant: str | None,
     if unknown:
         raise typer.BadParameter(f"unknown state(s) {', '.join(unknown)}; known: "
                                  f"{', '.join(STATES)}", param_hint="--state")
+    _check_provider(provider)
     before = (utcnow() - parse_duration(older_than, "--older-than")
               if older_than is not None else None)
     return LeaseFilter(tuple(state or ()), provider, tenant, before, pool)
+
+
+def _check_provider(provider: str | None) -> None:
+    """A provider leasekeeper has (enabled here or not: a disabled provider's old leases
+    stay listable), else bad input naming them: a typo would match nothing, silently."""
+    from workers.settings import OFFERED_PROVIDERS, PROVIDER_NAMES
+
+    if provider is not None and provider not in PROVIDER_NAMES:
+        raise typer.BadParameter(f"unknown provider {provider[:40]!r}; known: "
+                                 f"{OFFERED_PROVIDERS}", param_hint="--provider")
+
+
+def _filters_text(state: list[str] | None, provider: str | None, tenant: str | None,
+                  older_than: str | None) -> str:
+    """The filters as they were typed: `--state active --tenant acme`."""
+    given = [*(("--state", s) for s in state or []), ("--provider", provider),
+             ("--tenant", tenant), ("--older-than", older_than)]
+    return " ".join(f"{option} {value}" for option, value in given if value is not None)
 
 
 def lease_json(lease: Lease) -> dict[str, Any]:
@@ -217,6 +236,10 @@ def leases_destroy(
         page = lease_page(rt.store, _filter(state, provider, tenant, older_than), limit)
         targets = page.rows
         beyond = _beyond_limit(page)
+        if not targets:  # nothing to do, with --yes or without: do not invite --yes
+            if yes:  # a broker it could not have sent to is still said (the next run would)
+                require_broker()
+            _nothing_matched(state, provider, tenant, older_than, yes, as_json)
         if not yes:  # the preview: it did what was asked, so exit 0
             if as_json:
                 emit_json({"dry_run": True, "would_destroy": [lease_json(x) for x in targets],
@@ -237,11 +260,13 @@ def leases_destroy(
     deadline = time.monotonic() + wait_s  # for all answers together, not each
     for ident, result in sent:
         try:
+            if not wait_s:  # sent, not awaited: nothing says a worker took it
+                results.append({"lease_id": ident, "task_id": result.id, "result": "sent"})
+                continue
             # a timeout of 0 would wait for ever: once past the deadline, only look
-            answer = (result.get(timeout=max(deadline - time.monotonic(), 0.01),
-                                 propagate=True) if wait_s else None)
-            results.append({"lease_id": ident, "task_id": result.id,
-                            **(answer or {"result": "sent"})})
+            answer = result.get(timeout=max(deadline - time.monotonic(), 0.01),
+                                propagate=True)
+            results.append({"lease_id": ident, "task_id": result.id, **answer})
         except NoAnswer:  # still queued, or a worker is still on it
             results.append({"lease_id": ident, "task_id": result.id,
                             "result": "running" if result.state == "STARTED" else "queued"})
@@ -249,10 +274,11 @@ def leases_destroy(
             failed += 1
             results.append({"lease_id": ident, "task_id": result.id, "result": "failed",
                             "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
-    queued, running = (sum(r["result"] == kind for r in results)
-                       for kind in ("queued", "running"))
+    queued, running, unawaited = (sum(r["result"] == kind for r in results)
+                                  for kind in ("queued", "running", "sent"))
     if as_json:
-        emit_json({"destroyed": results, "failed": failed, "unanswered": queued + running,
+        emit_json({"destroyed": results, "failed": failed,
+                   "unanswered": queued + running + unawaited,
                    **({"more_matching": beyond} if page is not None else {})})
     else:
         typer.echo(table(["lease", "result", "state", "task", "error"],
@@ -273,6 +299,11 @@ def leases_destroy(
         error_line(f"no worker answered within {wait_s:g} s; the destroy of {queued} "
                    "lease(s) is queued and runs when a worker takes it; check "
                    "`leasekeeper health --worker`")
+    if unawaited:
+        error_line(f"--wait 0: the destroy of {unawaited} lease(s) was sent, not awaited; "
+                   "nothing confirms a worker took it (`leasekeeper health --worker` says "
+                   "whether one is up; `leasekeeper leases show <id>` shows each lease's "
+                   "state)")
     if running:
         error_line(f"{running} destroy(s) still running on a worker after {wait_s:g} s; "
                    "`leasekeeper leases show <id>` shows when each ends")
@@ -282,8 +313,21 @@ def leases_destroy(
                    f"{'was' if beyond == 1 and not page.total_capped else 'were'} not "
                    "destroyed; run the same command again for the next ones, or raise --limit "
                    f"(at most {MAX_LIMIT})")
-    raise typer.Exit(ExitCode.NEEDS_ATTENTION if failed or queued or running or beyond
-                     else ExitCode.OK)
+    raise typer.Exit(ExitCode.NEEDS_ATTENTION if failed or queued or running or unawaited
+                     or beyond else ExitCode.OK)
+
+
+def _nothing_matched(state: list[str], provider: str | None, tenant: str | None,
+                     older_than: str | None, yes: bool, as_json: bool) -> NoReturn:
+    """A filtered destroy that matched no lease: say so, exit 0 (it did what was asked),
+    without inviting --yes, which would do nothing more."""
+    if as_json:
+        emit_json({"destroyed": [], "failed": 0, "unanswered": 0, "more_matching": 0} if yes
+                  else {"dry_run": True, "would_destroy": [], "destroyed": [],
+                        "more_matching": 0})
+    error_line(f"no lease matched {_filters_text(state, provider, tenant, older_than)}; "
+               "nothing to destroy")
+    raise typer.Exit(ExitCode.OK)
 
 
 def _refuse_ended_states(states: list[str]) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -126,9 +127,10 @@ def migrate(url: str, revision: str = "head") -> None:
     """`leasekeeper db upgrade` (and `up`): the driver checked first, failures in one line."""
     from alembic.util.exc import CommandError
 
-    from models.migrate import upgrade
+    from models.migrate import sqlite_file, upgrade
 
     check_driver(url)
+    refuse_a_directory(url, sqlite_file(url))  # (a folder that is not there, it creates)
     try:
         upgrade(url, revision)
     except SQLAlchemyError as exc:
@@ -172,6 +174,7 @@ def sqlite_store_file(url: str) -> Path | None:
 
     path = sqlite_file(url)
     if path is not None:
+        refuse_a_directory(url, path)
         if path.parent.exists() and not path.parent.is_dir():
             raise ConfigError(
                 f"the store's folder {path.parent} is not a folder (LEASEKEEPER_STORE_URL="
@@ -184,6 +187,16 @@ def sqlite_store_file(url: str) -> Path | None:
                 f"right place, or create the folder and {UPGRADE}"
             )
     return path
+
+
+def refuse_a_directory(url: str, path: Path | None) -> None:
+    """A SQLite store's path (``path``, of ``url``) that is a directory: ConfigError saying
+    it must name a file. Without it, a directory reads as a store never migrated, and
+    `db upgrade` as a folder it cannot create."""
+    if path is not None and path.is_dir():
+        raise ConfigError(
+            f"the store's path {path} is a directory (LEASEKEEPER_STORE_URL={shown(url)}): "
+            f"it must name a file, e.g. {path / 'store.db'}")
 
 
 def read_only_sqlite(url: str) -> str | None:
@@ -407,6 +420,12 @@ _NOT_ALLOWED: dict[str, Callable[[str], str]] = {
 }
 
 
+# What libpq says of a URL whose connection options it cannot take (`?sslmode=bogus`,
+# `?nosuch=1`, `?connect_timeout=abc`), before it connects to anything.
+_BAD_OPTION = re.compile(r"^(connection is bad: )?(invalid (\w+ value|connection option|URI "
+                         r"query parameter)|bad value for \w+)")
+
+
 def store_error(url: str, exc: SQLAlchemyError, doing: str) -> ConfigError | StoreUnavailable:
     """A store error at the command line, in one line: a wrong database, user or password
     is a setting (ConfigError); anything else, the store is unavailable."""
@@ -420,6 +439,10 @@ def store_error(url: str, exc: SQLAlchemyError, doing: str) -> ConfigError | Sto
                 return ConfigError(f"{doing} the store {shown(url)}: the server says "
                                    f"{fatal[:200]!r}: {fix} (LEASEKEEPER_STORE_URL)")
     first = text.splitlines()[0][:200] if text else ""
+    if _BAD_OPTION.search(first):  # libpq refused the URL's own options: nothing to wait for
+        said = first.removeprefix("connection is bad: ")
+        return ConfigError(f"{doing} the store {shown(url)}: {said}: fix that option in "
+                           "LEASEKEEPER_STORE_URL")
     if "unable to open database file" in first:  # SQLite's word for any of these
         try:
             sqlite_store_file(url)

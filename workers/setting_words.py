@@ -14,9 +14,9 @@ _WHOLE = ("int_parsing", "int_type", "int_from_float")
 _NUMBER = ("float_parsing", "float_type", "finite_number")
 _BOUNDS = {"greater_than": ("gt", "more than"), "greater_than_equal": ("ge", "at least"),
            "less_than": ("lt", "less than"), "less_than_equal": ("le", "at most")}
-_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d)\s*", re.IGNORECASE)
+_DURATION = re.compile(r"\s*(\d+(?:\.\d+)?)\s*(s|sec|m|min|h|d)\s*", re.IGNORECASE | re.ASCII)
 _DURATION_S = {"s": 1, "sec": 1, "m": 60, "min": 60, "h": 3600, "d": 86400}
-_SIZE = re.compile(r"\s*(\d+)\s*(k|m|g)i?b?\s*", re.IGNORECASE)
+_SIZE = re.compile(r"\s*(\d+)\s*(k|m|g)i?b?\s*", re.IGNORECASE | re.ASCII)
 _SECONDS_IN = ((86400, "day"), (3600, "hour"), (60, "minute"))
 _BYTES_IN = ((1024 ** 3, "GiB"), (1024 ** 2, "MiB"), (1024, "KiB"))
 
@@ -54,7 +54,7 @@ def _written_as(raw: str, unit: str | None, whole: bool) -> str:
         seconds = float(m.group(1)) * _DURATION_S[m.group(2).lower()]
         if not whole or seconds.is_integer():
             return f": write {number(seconds)} (the unit is in the name)"
-    if unit == "seconds" and whole and re.fullmatch(r"\s*\d+\.\d*\s*", raw):
+    if unit == "seconds" and whole and re.fullmatch(r"\s*\d+\.\d*\s*", raw, re.ASCII):
         return ": these seconds are whole (no fraction)"
     if unit == "bytes" and (m := _SIZE.fullmatch(raw)):
         size = int(m.group(1)) * 1024 ** ("kmg".index(m.group(2).lower()) + 1)

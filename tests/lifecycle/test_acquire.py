@@ -210,6 +210,8 @@ def test_unknown_provider_is_refused_before_anything_is_written(rt: Runtime) -> 
     ("r", {"labels": {"Example.com/team": "x"}}, r"not a valid Kubernetes label"),
     ("r", {"image": " busybox:1.36"}, r"image: .*whitespace"),
     ("r", {"resources": {"cpu_request": "lots"}}, r"'lots' is not a Kubernetes quantity"),
+    # a digit that is not ASCII (ARABIC-INDIC TWO): the API server would refuse it later
+    ("r", {"resources": {"cpu_request": "\u0662"}}, r"is not a Kubernetes quantity"),
     ("r", {"resources": {"memory_request": "2Gi", "memory_limit": "1Gi"}},
      r"memory_request 2Gi is more than memory_limit 1Gi"),
     ("r", {"env": {"X": "a"}, "secret_env": {"X": "12345"}}, r"'X' set in both env and"),
