@@ -127,11 +127,15 @@ class SweepStore:
     # -- sweep.reap_runs ---------------------------------------------------------------
     @staticmethod
     def _detached(cutoff: datetime) -> list[ColumnElement[bool]]:
-        return [R.c.status == RunStatus.RUNNING, R.c.detached_since.is_not(None),
+        # Interrupted (paused) runs too: not terminal, they hold their sandbox as a running
+        # one does; an IN list of the index's first column keeps the read on it.
+        return [R.c.status.in_([RunStatus.RUNNING, RunStatus.INTERRUPTED]),
+                R.c.detached_since.is_not(None),
                 R.c.detached_since <= cutoff]
 
     def due_detached_runs(self, cutoff: datetime, limit: int) -> list[str]:
-        """Running runs detached at or before ``cutoff`` (inclusive), longest detached first."""
+        """Running or interrupted runs detached at or before ``cutoff`` (inclusive), longest
+        detached first."""
         with self.store.tx() as s:
             return list(s.scalars(select(R.c.run_id).where(*self._detached(cutoff))
                                   .order_by(R.c.detached_since).limit(limit)))

@@ -4,6 +4,8 @@
      ├── ConfigError                settings or provider registry are wrong; fix and restart
      ├── InvalidRequest             a payload or name is malformed; the caller must fix it
  │    └── ProviderMismatch      the sandbox key's live lease belongs to another provider
+     ├── AcquireCancelled           the lease was ended (a destroy, a reclaim, a sweep) while
+     │                              its acquire was making it: a race lost, not retried
      ├── NotFound                   a lease or run id the store does not know
      │    └── RunNotRecorded        a run's finish/detach before its acquire wrote it (transient)
      ├── StoreError
@@ -69,6 +71,20 @@ class ProviderMismatch(InvalidRequest):
             f"provider-mismatch: sandbox key {key} is held by live lease {lease_id} of "
             f"provider {lease_provider}, not {asked}; nothing was touched. Ask for provider "
             f"{lease_provider} to reuse it, or use another sandbox_key"
+        )
+
+
+class AcquireCancelled(LeasekeeperError):
+    """The lease was ended (a destroy, a run's finish and its reclaim, a sweep) while its
+    acquire was provisioning or claiming it: the request was right, another one ended the
+    lease first. Never retried; what the acquire made is destroyed, not left running."""
+
+    @classmethod
+    def of(cls, lease_id: str, state: str, doing: str) -> Self:
+        return cls(
+            f"acquire-cancelled: lease {lease_id} was ended ({state}) while it was being "
+            f"{doing}; what it made is destroyed. If the run still needs a sandbox, start a "
+            "new run"
         )
 
 

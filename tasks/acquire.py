@@ -48,6 +48,7 @@ from providers.base import (
     ResumeResult,
 )
 from providers.errors import (
+    AcquireCancelled,
     AcquireCleanupIncomplete,
     InvalidRequest,
     LeasekeeperError,
@@ -310,8 +311,7 @@ def _deliver_claim(
                 current = rt.store.get_lease(member.lease_id)
                 if _twin_won(current, run_id):  # the same acquire, delivered twice
                     return _acquisition(AcquireResult.ALREADY_ACQUIRED, run_id, current)
-                raise InvalidRequest(f"lease {member.lease_id} was ended ({current.state}) "
-                                     "while it was being claimed")
+                raise AcquireCancelled.of(member.lease_id, current.state, "claimed")
             log.info("lease %s claimed from pool %s for run %s", member.lease_id,
                      member.pool, run_id)
             return _acquisition(AcquireResult.CLAIMED, run_id, member)
@@ -365,15 +365,8 @@ def _provision(
                      lease_id, run_id)
             return _acquisition(AcquireResult.ALREADY_ACQUIRED, run_id, current)
         # A sweep or destroy took the lease while we provisioned: do not leave what we made.
-        if current.state != LeaseState.DESTROYING:
-            store.transition(lease_id, {LeaseState.DESTROYED, LeaseState.ABANDONED},
-                             LeaseState.PENDING_CLEANUP, "resources created after the lease "
-                             "ended; destroying them", task_id, next_cleanup_at=utcnow(),
-                             backend=acquired.backend, provider_meta=acquired.meta)
-            destroy_lease(rt, lease_id, "created after the lease ended", task_id)
-        raise InvalidRequest(
-            f"lease {lease_id} was ended ({current.state}) while it was being provisioned"
-        )
+        _discard_made(rt, provider, lease_id, current.state, request.name, acquired, task_id)
+        raise AcquireCancelled.of(lease_id, current.state, "provisioned")
     result = (AcquireResult.ADOPTED if acquired.outcome == AcquireOutcome.ADOPTED
               else AcquireResult.ACQUIRED)
     # DEBUG: Celery's own INFO line for the task's success carries the same result.
@@ -382,6 +375,50 @@ def _provision(
     # The activation changed none of what an acquisition names but the backend
     return Acquisition(result, run_id, lease_id, lease.provider, lease.provider_lease_id,
                        acquired.backend, lease.sandbox_key)
+
+
+def _discard_made(rt: Runtime, provider: Provider, lease_id: str, state: str,
+                  name: str, acquired: Acquired, task_id: str | None) -> None:
+    """What this acquire made for a lease another task ended meanwhile is not left behind.
+
+    A lease destroyed or abandoned already: back to pending_cleanup, and destroyed (a
+    failure stays recorded there). A lease still ``destroying``: that destroy's provider
+    call may have run before this sandbox existed (``already_gone``), so it is destroyed
+    here too, by its name (a provider destroy is idempotent: whichever of the two calls
+    comes last finds nothing). If that fails, the lease is taken to pending_cleanup (from
+    destroying, or from destroyed if the other destroy ended first) with the error, so
+    sweep.retry_cleanup retries it and no record says destroyed while the sandbox runs;
+    the other destroy, its own final move refused, answers cleanup_pending
+    (tasks/destroy.py). A lease pending_cleanup already is retried as it is."""
+    store = rt.store
+    if state != LeaseState.DESTROYING:
+        store.transition(lease_id, {LeaseState.DESTROYED, LeaseState.ABANDONED},
+                         LeaseState.PENDING_CLEANUP, "resources created after the lease "
+                         "ended; destroying them", task_id, next_cleanup_at=utcnow(),
+                         backend=acquired.backend, provider_meta=acquired.meta)
+        destroy_lease(rt, lease_id, "created after the lease ended", task_id)
+        return
+    try:
+        outcome = provider.destroy(LeaseHandle(name, acquired.backend, dict(acquired.meta)))
+    except ProviderError as exc:
+        error: ProviderError = exc
+    except Exception as exc:  # a provider bug must still end in a recorded state
+        log.exception("lease %s: provider %s destroy raised %s", lease_id, provider.name,
+                      type(exc).__name__)
+        error = provider_bug(provider.name, "destroy", name, exc)
+    else:
+        log.info("lease %s: destroyed (%s) what its acquire made while a destroy ran",
+                 lease_id, outcome)
+        return
+    what = cause_of(error)
+    moved = store.transition(
+        lease_id, {LeaseState.DESTROYING, LeaseState.DESTROYED, LeaseState.ABANDONED},
+        LeaseState.PENDING_CLEANUP, "resources created while the lease was being destroyed; "
+        f"their destroy failed: {what}", task_id, last_error=what, next_cleanup_at=utcnow(),
+        backend=acquired.backend, provider_meta=acquired.meta)
+    log.warning("lease %s: the destroy of what its acquire made while a destroy ran failed "
+                "(%s); %s", lease_id, what, "left pending_cleanup for sweep.retry_cleanup"
+                if moved is not None else "the lease was already ended another way")
 
 
 def _deliver_cold(rt: Runtime, provider: Provider, request: AcquireRequest, acquired: Acquired,

@@ -23,6 +23,7 @@ from providers.errors import (
     DestroyIncomplete,
     InvalidRequest,
     ProviderError,
+    TerminalProviderError,
     abandoned_advice,
     cause_of,
     is_transient,
@@ -124,11 +125,31 @@ def destroy_lease(rt: Runtime, lease_id: str, reason: str, task_id: str | None,
         return _record_failure(rt, claimed.lease_id, claimed.cleanup_attempts + 1, wrapped,
                                task_id)
     end_reason = claimed.end_reason or reason
-    store.move(lease_id, {LeaseState.DESTROYING}, LeaseState.DESTROYED,
-               f"destroyed ({outcome}): {reason}", task_id,
-               end_reason=end_reason[:END_REASON_MAX_CHARS],
-               next_cleanup_at=None)
-    return Destroyed(lease_id, DestroyResult.DESTROYED, LeaseState.DESTROYED)
+    if store.move(lease_id, {LeaseState.DESTROYING}, LeaseState.DESTROYED,
+                  f"destroyed ({outcome}): {reason}", task_id,
+                  end_reason=end_reason[:END_REASON_MAX_CHARS],
+                  next_cleanup_at=None):
+        return Destroyed(lease_id, DestroyResult.DESTROYED, LeaseState.DESTROYED)
+    return _overtaken(rt, lease_id)
+
+
+def _overtaken(rt: Runtime, lease_id: str) -> Destroyed:
+    """The lease left ``destroying`` under this destroy: an acquire that was provisioning
+    it made its sandbox after this destroy's provider call, could not destroy it either,
+    and took the lease to pending_cleanup (tasks/acquire.py ``_discard_made``). Not a
+    success: the sandbox may still be running until sweep.retry_cleanup destroys it."""
+    current = rt.store.get_lease(lease_id)
+    if current.state == LeaseState.DESTROYED:
+        return Destroyed(lease_id, DestroyResult.DESTROYED, current.state)
+    error = TerminalProviderError(
+        f"lease {lease_id}: a sandbox its acquire made while this destroy ran could not be "
+        f"destroyed ({current.last_error or 'no error recorded'}); the lease is "
+        f"{current.state} and sweep.retry_cleanup will retry it")
+    if current.state == LeaseState.ABANDONED:
+        return Destroyed(lease_id, DestroyResult.ABANDONED, current.state,
+                         CleanupAbandoned.of(lease_id, current.cleanup_attempts,
+                                             current.last_error or "unknown"))
+    return Destroyed(lease_id, DestroyResult.CLEANUP_PENDING, current.state, error)
 
 
 def _record_failure(

@@ -21,7 +21,13 @@ import redis
 from celery import Task
 from celery.result import AsyncResult
 
-from providers.errors import BrokerUnavailable, ConfigError, InvalidRequest, LeasekeeperError
+from providers.errors import (
+    AcquireCancelled,
+    BrokerUnavailable,
+    ConfigError,
+    InvalidRequest,
+    LeasekeeperError,
+)
 from providers.kubernetes.manifests import backend_refusal
 from providers.spec import (
     MIN_SUBSTRING_SECRET_CHARS,
@@ -63,6 +69,7 @@ from workers.settings import (
 # exported): the sending functions, the status reader and its types, and the errors a call
 # raises (re-exported from providers/errors.py; LeasekeeperError is the root of them all).
 __all__ = [
+    "AcquireCancelled",
     "BrokerUnavailable",
     "ConfigError",
     "InvalidRequest",

@@ -238,3 +238,86 @@ def test_a_destroy_reason_the_store_cannot_hold_still_destroys(
                                        f"its lease {lease_id} ended: {recorded}")
     assert not [r for r in rt.provider("local").list_managed() if r.lease_id == lease_id]
     truthful(rt, run_id, lease_id)
+
+
+def running_sandboxes(rt: Runtime, name: str) -> list[Any]:
+    """The faulty (local) provider's resources named ``name`` whose process still runs."""
+    return [r for r in rt.provider("faulty").list_managed()
+            if r.name == name and r.meta.get("alive")]
+
+
+@pytest.mark.parametrize("ender", ["destroy", "reclaim"])
+def test_a_lease_ended_while_provisioning_leaves_no_sandbox_running(
+        stack: WorkerStack, ender: str) -> None:
+    # Before: the destroy's provider call ran before the sandbox existed (already_gone), the
+    # acquire then made it, found the lease destroying and left it to that destroy: the
+    # lease said destroyed (the reclaim too) while `sleep 302` ran on until sweep.orphans.
+    # And the acquire failed with InvalidRequest, as if its request had been wrong.
+    rt, run_id = stack.runtime(), rid()
+    stack.faults.write({
+        "acquire": [{"fault": "slow", "seconds": 6, "when": "before", "times": 1}],
+        "destroy": [{"fault": "slow", "seconds": 10, "when": "after", "times": 1}]})
+    try:
+        sent = producer.acquire_lease(run_id, {"provider": "faulty",
+                                               "command": ["sleep", "302"]})
+        lease = eventually(lambda: (r := rt.store.get_run(run_id)) and r.lease_id and
+                           rt.store.get_lease(r.lease_id), 60, "the acquire's intent")
+        assert lease.state == LeaseState.PROVISIONING
+        if ender == "destroy":
+            ended = producer.destroy_lease(lease.lease_id)
+        else:
+            ended = producer.finish_run(run_id, "completed", 0)
+        with pytest.raises(producer.AcquireCancelled,
+                           match=f"lease {lease.lease_id} was ended \\(destroying\\) while "
+                                 "it was being provisioned"):
+            sent.get(60)
+        status = producer.task_status(sent.id)
+        assert status.state == "FAILURE" and "acquire-cancelled" in (status.error or "")
+        ended.get(60)
+        if ender == "reclaim":
+            assert reclaimed(rt, run_id).reclaim_outcome == ReclaimOutcome.DESTROYED
+        final = eventually(lambda: (got := rt.store.get_lease(lease.lease_id)).state !=
+                           LeaseState.DESTROYING and got, 60, "the destroy's end")
+        assert final.state == LeaseState.DESTROYED
+        assert running_sandboxes(rt, lease.provider_lease_id) == []
+        truthful(rt, run_id, lease.lease_id)
+    finally:
+        stack.faults.write({})
+        run = rt.store.get_run(run_id)
+        if run is not None and run.lease_id:  # what a failing run left: not for the next test
+            rt.provider("faulty").destroy(handle(rt.store.get_lease(run.lease_id)))
+
+
+def test_a_lease_ended_while_provisioning_whose_sandbox_will_not_go_stays_pending_cleanup(
+        stack: WorkerStack) -> None:
+    # The acquire's own destroy of what it made fails: the lease must not end destroyed
+    # (the overlapping destroy's final move is refused) but pending_cleanup, retried.
+    rt, run_id = stack.runtime(), rid()
+    stack.faults.write({
+        "acquire": [{"fault": "slow", "seconds": 6, "when": "before", "times": 1}],
+        # the overlapping destroy takes the first two (rules match by "when"), the
+        # acquire's own destroy of what it made the third
+        "destroy": [{"fault": "slow", "seconds": 0, "when": "before", "times": 1},
+                    {"fault": "slow", "seconds": 10, "when": "after", "times": 1},
+                    {"fault": "terminal", "when": "before", "times": 1}]})
+    try:
+        sent = producer.acquire_lease(run_id, {"provider": "faulty",
+                                               "command": ["sleep", "302"]})
+        lease = eventually(lambda: (r := rt.store.get_run(run_id)) and r.lease_id and
+                           rt.store.get_lease(r.lease_id), 60, "the acquire's intent")
+        ended = producer.destroy_lease(lease.lease_id)
+        with pytest.raises(producer.AcquireCancelled):
+            sent.get(60)
+        with pytest.raises(Exception, match="could not be destroyed"):
+            ended.get(60)
+        left = rt.store.get_lease(lease.lease_id)
+        assert left.state == LeaseState.PENDING_CLEANUP
+        assert running_sandboxes(rt, lease.provider_lease_id) != []
+        truthful(rt, run_id, lease.lease_id)
+        assert producer.destroy_lease(lease.lease_id).get(60)["result"] == "destroyed"
+        assert running_sandboxes(rt, lease.provider_lease_id) == []
+    finally:
+        stack.faults.write({})
+        run = rt.store.get_run(run_id)
+        if run is not None and run.lease_id:
+            rt.provider("faulty").destroy(handle(rt.store.get_lease(run.lease_id)))

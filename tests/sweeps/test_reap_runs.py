@@ -45,6 +45,23 @@ def test_detached_run_is_aborted_with_cancel_intent_and_reclaimed(
     assert sum(reap_runs(SweepContext(rt, effects)).counts.values()) == 0  # idempotent
 
 
+def test_detached_interrupted_run_is_aborted_and_reclaimed(
+    rt: Runtime, effects: Recorder
+) -> None:
+    # Before: only running runs were reaped; a paused (interrupted) run whose viewer left
+    # kept its sandbox active past LEASEKEEPER_RUN_DETACH_TTL_S, detached_since set, forever.
+    lease_id = acquire(rt, "run-1")
+    rt.store.set_detached("run-1", detached=True)
+    finish(rt, "run-1", RunStatus.INTERRUPTED, None, None)
+    effects.inline = True
+    tally = reap_runs(SweepContext(rt, effects))
+    assert tally[ReapOutcome.ABORTED_DETACHED] == 1
+    run = rt.store.get_run("run-1")
+    assert run.status == RunStatus.ABORTED and run.cancel_requested
+    assert run.reclaim_outcome == ReclaimOutcome.DESTROYED
+    assert rt.store.get_lease(lease_id).state == LeaseState.DESTROYED
+
+
 def test_viewer_that_came_back_before_the_claim_keeps_its_run(rt: Runtime) -> None:
     acquire(rt, "run-1")
     rt.store.set_detached("run-1", detached=True)
