@@ -28,6 +28,7 @@ from providers.spec import (
     REDACTED,
     SandboxSpec,
     check_id,
+    described,
     echo,
     hide_secret_values,
 )
@@ -162,7 +163,7 @@ def task_status(task_id: str) -> TaskStatus:
     if (not isinstance(task_id, str) or not 0 < len(task_id) <= TASK_ID_MAX_CHARS
             or not printable(task_id) or any(c.isspace() for c in task_id)):
         raise InvalidRequest(f"task_id must be the id of a sent task (1-{TASK_ID_MAX_CHARS} "
-                             f"characters, no spaces); got {echo(task_id)}")
+                             f"characters, no spaces); got {described(task_id)}")
     found = AsyncResult(task_id, app=acquire.app)
     try:
         state, value = found.state, found.result

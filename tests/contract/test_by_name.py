@@ -363,7 +363,7 @@ MALFORMED: list[tuple[str, str, dict[str, Any] | None, list[Any] | None, tuple[s
     ("detach 10 MB id", "run.detach", {"run_id": "x" * BIG}, None,
      ("LEASEKEEPER_MAX_PAYLOAD_BYTES",)),
     ("destroy long id", "lease.destroy", {"lease_id": "x" * 5000}, None,
-     ("lease_id must be 1-128 characters", "(5000 chars)")),
+     ("lease_id must be 1-128 characters", "got a string of 5000 characters")),
     ("resume id with a slash", "lease.resume_check", {"lease_id": "../etc"}, None,
      ("lease_id must be",)),
     ("touch id not a string", "lease.touch", {"lease_id": 12}, None, ("lease_id", "int")),
