@@ -368,7 +368,7 @@ MALFORMED: list[tuple[str, str, dict[str, Any] | None, list[Any] | None, tuple[s
      ("lease_id must be",)),
     ("touch id not a string", "lease.touch", {"lease_id": 12}, None, ("lease_id", "int")),
     ("reclaim run_id object", "sandbox.reclaim", {"run_id": {"a": 1}}, None,
-     ("run_id must be", "got dict")),
+     ("run_id must be", "got a dict")),
     ("attach no run_id", "run.attach", {}, None, ("missing field(s) run_id",)),
     ("acquire no run_id", "lease.acquire", {"spec": {}}, None, ("missing field(s) run_id",)),
     ("acquire extra kwarg", "lease.acquire", {"run_id": "r-1", "spce": {}}, None,
