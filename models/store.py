@@ -52,6 +52,7 @@ from models.schema import (
     RunStatus,
     utcnow,
 )
+from models.shown_url import shown_url
 from providers.errors import (
     READ_ONLY_SQLITE,
     READ_ONLY_STORE,
@@ -388,7 +389,7 @@ class Store:
                 sqlite_read_only and not self.raw.pg):
             return None
         said = " ".join(str(orig).split()).removeprefix("ERROR: ")[:200]
-        where = self.engine.url.render_as_string(hide_password=True)  # never a password
+        where = shown_url(self.engine.url)  # never a password
         refusal = f"the lease store at {where} refused ({type(orig).__name__}: {said})"
         if sqlstate == "42501":
             user = self.engine.url.username or "the URL's user"
@@ -411,7 +412,7 @@ class Store:
         limit = (f" (LEASEKEEPER_STORE_STATEMENT_TIMEOUT_S is {self.statement_timeout_s:g} s)"
                  if "statement timeout" in said else "")
         return StoreUnavailable(
-            f"the lease store at {self.engine.url.render_as_string(hide_password=True)}"
+            f"the lease store at {shown_url(self.engine.url)}"
             f" is unavailable ({type(orig).__name__}: {said}){limit}", TASK_WILL_RETRY)
 
     def _hot(self) -> _HotConnection:

@@ -64,8 +64,26 @@ MAX_SPEC_CHARS = 128 * 1024  # command, env and secret_env together
 MAX_DURATION_S = 366 * 24 * 3600  # a lease's ttl and idle timeout: a year (and a day)
 
 
+def described(value: object) -> str:
+    """What a refused payload value was, for an error message, without any of it: its type,
+    and a string's length ("a string of 16 characters"). A value may be another run's
+    secret (a caller that mixed up its variables): validation errors never echo values."""
+    if value is None:
+        return "null"
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters" if value else "an empty string"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    kind = type(value).__name__
+    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind}"
+
+
 def echo(value: object) -> str:
-    """A short, safe quote of a refused value for an error message."""
+    """A short quote of a refused *name* for an error message: a field's, a label key's, an
+    environment variable's, a task's; never of a value a payload carries
+    (:func:`described`)."""
     text = repr(value) if isinstance(value, str) else type(value).__name__
     if len(text) <= ECHO_MAX_CHARS:
         return text
@@ -146,7 +164,7 @@ def check_id(kind: str, value: object) -> str:
     if not isinstance(value, str) or not ID_PATTERN.fullmatch(value):
         raise ValueError(
             f"{kind} must be 1-128 characters of letters, digits, '.', '_', ':' or '-', "
-            f"starting with a letter or digit; got {echo(value)}"
+            f"starting with a letter or digit; got {described(value)}"
         )
     return value
 

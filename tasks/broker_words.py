@@ -18,6 +18,7 @@ from collections.abc import Callable
 import redis
 from kombu.exceptions import OperationalError
 
+from models.shown_url import shown_url
 from workers.settings import env_file_path
 from workers.up_lock import broker_hint
 
@@ -83,12 +84,10 @@ def broker_unreachable(url: str, exc: BaseException, sending: bool = True,
     """The one-line message for a broker that cannot be reached (no password shown);
     ``sending``: a send failed, and the message says nothing was sent; ``setting``: the
     one that names ``url`` (the result backend's, when it is set apart)."""
-    from kombu.utils.url import maybe_sanitize_url
-
     if out_of_memory(exc):
         return broker_full(url, sending)
     what = "broker" if setting == "LEASEKEEPER_BROKER_URL" else "result backend"
-    where = f"the {what} at {maybe_sanitize_url(url)} ({setting})"
+    where = f"the {what} at {shown_url(url)} ({setting})"
     unsent = "; nothing was sent." if sending else "."
     if database_missing(exc):
         return (f"{where} answers but has no such database (DB index is out of range){unsent} "
@@ -112,10 +111,8 @@ def broker_unreachable(url: str, exc: BaseException, sending: bool = True,
 def broker_full(url: str, sending: bool = True, then: str = "then retry") -> str:
     """The one-line message for a broker's Redis that is up but full (maxmemory reached
     under noeviction: it answers reads and refuses writes); no password shown."""
-    from kombu.utils.url import maybe_sanitize_url
-
     unsent = "; nothing was sent: " if sending else ": "
-    return (f"the broker's Redis at {maybe_sanitize_url(url)} is out of memory (used memory "
+    return (f"the broker's Redis at {shown_url(url)} is out of memory (used memory "
             f"> maxmemory){unsent}raise its maxmemory or free memory (leasekeeper needs "
             f"maxmemory-policy noeviction), {then}")
 

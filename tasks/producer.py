@@ -34,6 +34,7 @@ from providers.spec import (
     REDACTED,
     SandboxSpec,
     check_id,
+    described,
     echo,
     hide_secret_values,
 )
@@ -55,7 +56,7 @@ from tasks.runs import finish_run as _finish
 from tasks.runs import parse_finish
 from tasks.runs import touch_lease as _touch
 from tasks.sent_cut import sendable
-from tasks.text import printable, storable
+from tasks.text import printable
 from workers.pool_settings import resolve_spec
 from workers.settings import (
     OFFERED_PROVIDERS,
@@ -169,7 +170,7 @@ def task_status(task_id: str) -> TaskStatus:
     if (not isinstance(task_id, str) or not 0 < len(task_id) <= TASK_ID_MAX_CHARS
             or not printable(task_id) or any(c.isspace() for c in task_id)):
         raise InvalidRequest(f"task_id must be the id of a sent task (1-{TASK_ID_MAX_CHARS} "
-                             f"characters, no spaces); got {echo(task_id)}")
+                             f"characters, no spaces); got {described(task_id)}")
     found = AsyncResult(task_id, app=acquire.app)
     try:
         state, value = found.state, found.result
@@ -274,10 +275,13 @@ def check_resumable(lease_id: str) -> AsyncResult:
 def destroy_lease(lease_id: str, reason: str | None = "requested") -> AsyncResult:
     """Send lease.destroy. The reason goes whole when the payload fits, else cut to fit
     as finish_run's error is (tasks/sent_cut.py): never to the 200 characters the store
-    keeps, which the worker cuts after scrubbing the run's secrets, seen whole."""
+    keeps, which the worker cuts after scrubbing the run's secrets, seen whole. Sent as
+    the caller wrote it (JSON carries any character): the worker replaces what no store
+    holds (tasks/text.py ``storable``) after that scrub, so its marks see each secret as
+    the acquire gave it."""
     kwargs: dict[str, Any] = {"lease_id": _id(destroy, "lease_id", lease_id)}
-    kwargs["reason"] = sendable(storable(scrub_text(checked_reason(reason))), kwargs,
-                                "reason", get_settings().max_payload_bytes)
+    kwargs["reason"] = sendable(scrub_text(checked_reason(reason)), kwargs, "reason",
+                                get_settings().max_payload_bytes)
     return _send(destroy, kwargs)
 
 
@@ -285,12 +289,13 @@ def finish_run(run_id: str, status: str, exit_code: int | None = None,
                error: str | None = None) -> AsyncResult:
     """Send run.finish. The error goes whole when the payload fits, else cut to fit
     (tasks/sent_cut.py): never to the 2,000 characters a run keeps, which the worker cuts
-    after scrubbing the run's secrets, seen whole."""
+    after scrubbing the run's secrets, seen whole; not cleaned of control characters
+    before (the worker does, after its scrub: see destroy_lease)."""
     run_id, parsed = parse_finish(run_id, status, exit_code, error)
     kwargs: dict[str, Any] = {"run_id": run_id, "status": parsed.value,
                               "exit_code": exit_code, "error": None}
     if error is not None:
-        kwargs["error"] = sendable(storable(scrub_text(error)), kwargs, "error",
+        kwargs["error"] = sendable(scrub_text(error), kwargs, "error",
                                    get_settings().max_payload_bytes)
     return _send(_finish, kwargs)
 

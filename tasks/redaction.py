@@ -45,6 +45,7 @@ from providers.spec import (
     hide_secret_values,
 )
 from tasks.intake import CheckingConsumer
+from tasks.text import storable
 
 SECRET_FIELDS = frozenset({"secret_env"})  # the field a valid spec carries secrets in
 REPR_MAX_CHARS = 1024  # what Flower, events and logs show of a task's arguments
@@ -196,12 +197,15 @@ _known_lock = threading.Lock()
 
 
 def remember(values: Iterable[str]) -> None:
-    """Keep the most recent secret values this process handled, to scrub them from text."""
+    """Keep the most recent secret values this process handled, to scrub them from text:
+    each as given and as :func:`tasks.text.storable` writes it (what a text cleaned of
+    control characters holds of it)."""
     with _known_lock:
-        for value in values:
-            if len(value) >= MIN_SUBSTRING_SECRET_CHARS:
-                _known[value] = None
-                _known.move_to_end(value)
+        for given in values:
+            for value in dict.fromkeys((given, storable(given))):
+                if len(value) >= MIN_SUBSTRING_SECRET_CHARS:
+                    _known[value] = None
+                    _known.move_to_end(value)
         while len(_known) > _KNOWN_MAX:
             _known.popitem(last=False)
 

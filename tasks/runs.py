@@ -14,7 +14,7 @@ from typing import Any
 from models.schema import LeaseState, RunStatus
 from models.store import RunChange, RunEnd
 from providers.errors import InvalidRequest
-from providers.spec import check_id
+from providers.spec import check_id, described
 from tasks import secret_marks
 from tasks.base import LeaseTask
 from tasks.leases import EXPIRED, later
@@ -72,14 +72,17 @@ def parse_finish(run_id: object, status: object, exit_code: object, error: objec
     if status not in {s.value for s in FINISH_STATUSES}:
         raise InvalidRequest(
             f"invalid run.finish payload: status must be one of "
-            f"{', '.join(sorted(s.value for s in FINISH_STATUSES))}; got {status!r:.40}"
+            f"{', '.join(sorted(s.value for s in FINISH_STATUSES))}; got {described(status)}"
         )
-    if exit_code is not None and (isinstance(exit_code, bool) or not isinstance(exit_code, int)
-                                  or not EXIT_CODE_MIN <= exit_code <= EXIT_CODE_MAX):
+    # a refused value is described, never quoted (it may be a secret: README, Secrets)
+    integer = isinstance(exit_code, int) and not isinstance(exit_code, bool)
+    if exit_code is not None and not (isinstance(exit_code, int) and integer
+                                      and EXIT_CODE_MIN <= exit_code <= EXIT_CODE_MAX):
+        got = "an integer outside that range" if integer else described(exit_code)
         raise InvalidRequest(
             "invalid run.finish payload: exit_code must be an integer from "
             f"{EXIT_CODE_MIN} to {EXIT_CODE_MAX} (a process's, or a container's, exit "
-            f"status) or null; got {exit_code!r:.40}")
+            f"status) or null; got {got}")
     if error is not None and not isinstance(error, str):
         raise InvalidRequest("invalid run.finish payload: error must be a string or null")
     assert isinstance(run_id, str)

@@ -30,6 +30,7 @@ import redis
 
 from providers.errors import BrokerUnavailable
 from providers.spec import MIN_SUBSTRING_SECRET_CHARS, REDACTED, hide_spans
+from tasks.text import storable
 from workers.runtime import Runtime
 from workers.settings import Settings
 
@@ -55,8 +56,12 @@ def digest(key: bytes, value: str) -> str:
 
 
 def marks_of(key: bytes, values: Iterable[str]) -> set[str]:
-    """``"<length>:<digest>"`` of each value long enough to be searched for in text."""
-    return {f"{len(v)}:{digest(key, v)}" for v in values if len(v) >= MIN_SUBSTRING_SECRET_CHARS}
+    """``"<length>:<digest>"`` of each value long enough to be searched for in text, as
+    given and as :func:`tasks.text.storable` writes it (a control or bidi character as
+    U+FFFD, the same length): a text cleaned so before the scrub (by a sender, an older
+    producer) still has the secret found."""
+    return {f"{len(form)}:{digest(key, form)}" for v in values
+            if len(v) >= MIN_SUBSTRING_SECRET_CHARS for form in {v, storable(v)}}
 
 
 def _run_key(settings: Settings, run_id: str) -> str:

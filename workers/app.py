@@ -30,8 +30,8 @@ from celery.signals import (
     worker_init,
     worker_process_init,
 )
-from kombu.utils.url import maybe_sanitize_url
 
+from models.shown_url import shown_url
 from providers.errors import ConfigError
 from workers.beat import beat_max_interval_s, beat_schedule
 from workers.own_conf import LeasekeeperCelery, refusal
@@ -202,8 +202,8 @@ def _say_which_broker(instance: Any = None, **_: Any) -> None:
     # unreachable broker must say which one and why that one.
     logging.getLogger("leasekeeper.worker").warning(
         "leasekeeper worker: broker %s (from %s), queue %s, store %s",
-        maybe_sanitize_url(settings.effective_broker_url), settings.broker_source(),
-        settings.task_queue, maybe_sanitize_url(settings.effective_store_url))
+        shown_url(settings.effective_broker_url), settings.broker_source(),
+        settings.task_queue, shown_url(settings.effective_store_url))
 
 
 @worker_init.connect

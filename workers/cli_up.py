@@ -23,11 +23,10 @@ from datetime import datetime
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated
-from urllib.parse import urlsplit
 
 import typer
-from kombu.utils.url import maybe_sanitize_url
 
+from models.shown_url import has_password, shown_url
 from providers.errors import ConfigError, LeasekeeperError
 from workers.cli_common import command_name
 from workers.flower_auth import GENERATED
@@ -311,7 +310,7 @@ def _banner(settings: Settings, flower_url: str, flower_auth: str, logdir: Path,
     creds.write_text(flower_auth + "\n")
     for note in notes:
         say(f"note: {note}")
-    say(f"leasekeeper is up: broker {maybe_sanitize_url(client_env['LEASEKEEPER_BROKER_URL'])}"
+    say(f"leasekeeper is up: broker {shown_url(client_env['LEASEKEEPER_BROKER_URL'])}"
         f", store {shown(client_env['LEASEKEEPER_STORE_URL'])}")
     if settings.flower_basic_auth is not None:
         how = f"from LEASEKEEPER_FLOWER_BASIC_AUTH, also in {creds}"
@@ -330,16 +329,9 @@ def _paste_line(key: str, value: str, env_file: Path) -> str:
     """The line another shell pastes for one variable; a URL holding a password is never
     printed (the console is shared, scrolled back, recorded): the env file, mode 0600,
     has it whole."""
-    if key.endswith("_URL") and _has_password(value):
+    if key.endswith("_URL") and has_password(value):
         return f"  # {key} holds a password: copy its line from {env_file}\n"
     return f"  export {key}={shlex.quote(value)}\n"
-
-
-def _has_password(url: str) -> bool:
-    try:
-        return bool(urlsplit(url).password)
-    except ValueError:
-        return True  # unparseable: print nothing of it
 
 
 def client_hint(env_file: Path, cwd: Path, command: str) -> str:

@@ -31,8 +31,8 @@ from typing import Any
 
 from celery import Celery
 from celery.app.utils import Settings as CelerySettings
-from kombu.utils.url import maybe_sanitize_url
 
+from models.shown_url import shown_url
 from workers.settings import Settings
 
 
@@ -107,8 +107,8 @@ def refusal(settings: Settings) -> str | None:
             setting = "LEASEKEEPER_RESULT_BACKEND_URL"
             source = setting if settings.result_backend_url else settings.broker_source()
         if value and value != ours:
-            return (f"{variable} is {maybe_sanitize_url(value)} but leasekeeper's {what} is "
-                    f"{maybe_sanitize_url(ours)} (from {source}); leasekeeper ignores the "
+            return (f"{variable} is {shown_url(value)} but leasekeeper's {what} is "
+                    f"{shown_url(ours)} (from {source}); leasekeeper ignores the "
                     "CELERY_* variables (they are for your own Celery app; `celery --broker` "
                     f"sets CELERY_BROKER_URL): set {setting} instead, and unset {variable} "
                     "for this process")

@@ -33,6 +33,7 @@ from sqlalchemy.engine import URL
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 from sqlalchemy.pool import NullPool
 
+from models.shown_url import shown_url
 from providers.errors import (
     READ_ONLY_SQLITE,
     READ_ONLY_STORE,
@@ -100,11 +101,9 @@ def refuse_a_broker_that_refuses_us(process: str) -> None:
 
 
 def shown(url: str | URL) -> str:
-    """A store URL as it may be printed: no password."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except ArgumentError:
-        return "<unparseable URL>"
+    """A store URL as it may be printed: no password, in its user part or its query
+    (models/shown_url.py)."""
+    return shown_url(url)
 
 
 def check_driver(url: str) -> None:

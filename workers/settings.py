@@ -27,6 +27,7 @@ from pydantic_settings import (
     SettingsConfigDict,
 )
 
+from models.shown_url import query_secrets
 from providers.errors import ConfigError
 from providers.spec import MAX_DURATION_S, Quantity, quantity_value
 from workers.pool_settings import PoolDeclaration, read_pools
@@ -37,6 +38,11 @@ DEFAULT_BROKER_URL = "redis://127.0.0.1:6379/0"
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,40}[a-z0-9])?")
 # Store URL schemes leasekeeper runs on (SQLAlchemy dialect names).
 STORE_SCHEMES = ("sqlite", "postgresql")
+# redis-py takes ?password= as well as the user part, and kombu then passes it twice
+# ("dict() got multiple values for keyword argument 'password'"): refused, never echoed
+USER_PART_ONLY = (
+    "a password in the URL's query (?password=) is not supported; put it in the user "
+    "part: redis://:PASSWORD@host:port/db (percent-encode '/', '@', ':' and '#' in it)")
 BROKER_SCHEMES = ("redis", "rediss", "unix")
 # what workers/runtime.py's PROVIDER_FACTORIES builds (its import checks the two agree)
 PROVIDER_NAMES = ("local", "kubernetes", "noop", "faulty")
@@ -293,11 +299,21 @@ class Settings(BaseSettings):
                              "postgresql+psycopg://user:password@host:5432/db)") from None
         return value
 
+    @field_validator("result_backend_url")
+    @classmethod
+    def _no_query_password(cls, value: str | None) -> str | None:
+        scheme = (value or "").split("://", 1)[0].lower()
+        if value is not None and scheme in BROKER_SCHEMES and query_secrets(value):
+            raise ValueError(USER_PART_ONLY)
+        return value
+
     @field_validator("broker_url")
     @classmethod
     def _redis_broker(cls, value: str | None) -> str | None:
         if value is None:
             return value
+        if query_secrets(value):
+            raise ValueError(USER_PART_ONLY)
         scheme = value.split("://", 1)[0].lower() if "://" in value else ""
         if scheme not in BROKER_SCHEMES:
             raise ValueError(
@@ -308,10 +324,16 @@ class Settings(BaseSettings):
         try:
             parts = urlsplit(value)
             parts.port  # noqa: B018  (parsed on access: a bad port fails here)
-        except ValueError as exc:
-            raise ValueError(f"not a Redis URL: {str(exc)[:120]}") from None
+        except ValueError:
+            # never the parser's words: they quote the port, which may be part of a password
+            raise ValueError("not a Redis URL: its port is not a number (a password holding "
+                             "'/', '@', ':' or '#' must be percent-encoded: %2F, %40, %3A, "
+                             "%23)") from None
         # The database number: the path of a redis:// URL (`/0`), Celery's transport takes
         # it with int() and fails every send on anything else.
+        if "@" in parts.path:  # what follows an unencoded '/' in a password
+            raise ValueError("not a Redis URL: '@' after the host (a password holding '/', "
+                             "'@', ':' or '#' must be percent-encoded: %2F, %40, %3A, %23)")
         database = parts.path[1:] if scheme != "unix" else ""
         if database and not database.isdigit():
             raise ValueError(f"the database number {database[:20]!r} after the port is not a "

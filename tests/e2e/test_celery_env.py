@@ -186,3 +186,23 @@ def test_the_readme_by_name_client_answers_503_with_redis_stopped(tmp_path: Path
     code, body = run_python(BY_NAME, env, tmp_path)
     assert code == 503, body  # one of the two exceptions the README says to map was raised
     assert body["error"].startswith("the task queue is unavailable, retry later ("), body
+
+
+@pytest.mark.parametrize("process", ["worker", "beat"])
+def test_a_celery_broker_url_that_does_not_parse_is_refused_showing_none_of_it(
+        stack: WorkerStack, tmp_path: Path, process: str) -> None:
+    # Before (a QA pass): a password with an unencoded '/' crashed the refusal itself
+    # (kombu's maybe_sanitize_url raised): Celery's "Unable to load celery application"
+    # traceback ending "ValueError: Port could not be cast to integer value as 'Cel'".
+    env = {**stack.env, "LEASEKEEPER_VAR_DIR": str(tmp_path),
+           "CELERY_BROKER_URL": "redis://:Cel/Pw_Cc3@xyz@127.0.0.1:6390/0"}
+    done = subprocess.run([sys.executable, "-m", "celery", "-A", "workers.app", process,
+                           "-l", "info"], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=120, check=False)
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said[-3000:]
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, said[-3000:]
+    assert lines[0].startswith(f"leasekeeper {process} not started: CELERY_BROKER_URL is "
+                               "<unparseable URL> but leasekeeper's broker is "), lines[0]
+    assert not any(part in said for part in (":Cel", "Cel/", "Pw_Cc3", "xyz")), said[-3000:]

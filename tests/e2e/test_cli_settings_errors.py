@@ -8,6 +8,8 @@ base ignored; a value in the wrong unit answered with pydantic's words and no un
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -123,3 +125,52 @@ def test_kubernetes_resource_defaults_are_quantities_in_order(
     err = refused(tmp_path, **env)
     for needle in needles:
         assert needle in err, err
+
+
+QUERY_PASSWORD = "QueryPw_Hh5"
+PUT_IT_IN_THE_USER_PART = "put it in the user part: redis://:PASSWORD@host:port/db"
+
+
+@pytest.mark.parametrize("variable", ["LEASEKEEPER_BROKER_URL",
+                                      "LEASEKEEPER_RESULT_BACKEND_URL"])
+def test_a_redis_password_in_the_query_is_refused_without_showing_it(
+        tmp_path: Path, variable: str) -> None:
+    # Before (a QA pass): `leasekeeper status` with LEASEKEEPER_BROKER_URL
+    # redis://127.0.0.1:PORT/1?password=x said "unexpected TypeError: dict() got multiple
+    # values for keyword argument 'password'. This is a leasekeeper bug" (kombu passes the
+    # password twice). It is now refused at settings load: exit 2, saying where it goes.
+    url = f"redis://127.0.0.1:6390/1?password={QUERY_PASSWORD}"
+    done = leasekeeper("status", env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path),
+                                             **{variable: url}))
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said
+    err = short_error(done, "invalid settings: ", variable, PUT_IT_IN_THE_USER_PART)
+    assert QUERY_PASSWORD not in said, err
+
+
+@pytest.mark.parametrize("process", ["worker", "beat"])
+def test_celery_given_a_query_password_broker_url_refuses_it_in_one_line(
+        tmp_path: Path, process: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "celery", "-A", "workers.app", process, "-s",
+         str(tmp_path / "schedule")] if process == "beat" else
+        [sys.executable, "-m", "celery", "-A", "workers.app", process, "-c", "1"],
+        env=cli_env(LEASEKEEPER_VAR_DIR=str(tmp_path),
+                    LEASEKEEPER_BROKER_URL=f"redis://127.0.0.1:6390/1?password={QUERY_PASSWORD}"),
+        cwd=tmp_path, capture_output=True, text=True, timeout=90, check=False)
+    said = done.stdout + done.stderr
+    assert done.returncode == 2, said[-3000:]
+    lines = [line for line in said.splitlines() if line.strip()]
+    assert len(lines) == 1, said[-3000:]
+    assert PUT_IT_IN_THE_USER_PART in lines[0] and QUERY_PASSWORD not in said, lines[0]
+
+
+@pytest.mark.parametrize("url", ["redis://:Cel/Pw_Cc3@xyz@127.0.0.1:6390/0",
+                                 "redis://:12/Pw_Cc3@xyz@127.0.0.1:6390/0"])
+def test_a_broker_url_with_an_unencoded_slash_in_its_password_shows_none_of_it(
+        tmp_path: Path, url: str) -> None:
+    # Before: "not a Redis URL: Port could not be cast to integer value as 'Cel'", or the
+    # database number quoted from what followed the '/' (parts of the password).
+    err = refused(tmp_path, LEASEKEEPER_BROKER_URL=url)
+    assert "must be percent-encoded" in err, err
+    assert not any(part in err for part in (":Cel", "Cel/", "Pw_Cc3", "xyz")), err
