@@ -88,6 +88,21 @@ def _start_ticks(pid: int) -> int | None:
     return int(fields[19])
 
 
+def _until_group_leader(pid: int, timeout_s: float = 10.0) -> None:
+    """Wait until the launched process leads its own group (``setsid`` runs in the
+    background job after the launcher printed its pid), or is gone: a destroy or a kill
+    of the group right after the acquire then finds the group. No event tells it, so
+    this polls /proc, bounded by a monotonic deadline (usually done in a millisecond)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if os.getpgid(pid) == pid:
+                return
+        except ProcessLookupError:
+            return  # already ended: its exit sentinel tells the outcome
+        time.sleep(0.002)
+
+
 def _group_members(pgid: int) -> list[int]:
     """Pids of live (not zombie) processes in the process group."""
     members = []
@@ -331,6 +346,7 @@ class LocalProvider:
                 "see output.log in the lease directory"
             )
         pid = int(launcher.stdout.strip())
+        _until_group_leader(pid)
         # A command that already ended is still a sandbox: its exit sentinel tells the
         # outcome. Start time 0 never matches a live process, so nothing is ever killed.
         return ProcessIdentity(pid, _start_ticks(pid) or 0)

@@ -168,6 +168,16 @@ def test_reuse_of_a_dead_sandbox_destroys_it_and_acquires_fresh(rt: Runtime) -> 
     assert check.outcome == ResumeOutcome.RESUMABLE
 
 
+def test_an_acquired_local_sandbox_already_leads_its_own_process_group(rt: Runtime) -> None:
+    # Before: the launcher printed the pid of a background `setsid`, which had not always
+    # run yet when the acquire returned; a kill of the group right after the acquire then
+    # failed with ProcessLookupError (seen on a loaded machine in this file's reuse test).
+    for n in range(20):
+        done = acquire_lease(rt, f"run-{n}", SandboxSpec(), None, may_retry=False)
+        pid = int(rt.store.get_lease(done.lease_id).provider_meta["pid"])
+        assert os.getpgid(pid) == pid
+
+
 def test_without_reuse_each_run_gets_its_own_sandbox(rt: Runtime) -> None:
     spec = SandboxSpec(thread_id="th-1")
     a = acquire_lease(rt, "run-1", spec, None, may_retry=False)
