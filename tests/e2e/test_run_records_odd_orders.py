@@ -16,7 +16,7 @@ import pytest
 
 from models.invariants import check
 from models.schema import LeaseState, ReclaimOutcome, RunStatus, utcnow
-from providers.errors import InvalidRequest, NotFound
+from providers.errors import AcquireCancelled, InvalidRequest, NotFound
 from tasks import producer
 from tests.e2e.conftest import eventually
 from tests.services import RedisServer
@@ -68,7 +68,8 @@ def test_finish_before_the_acquire_completes_leaves_nothing_behind(stack: Worker
     done = producer.finish_run(run_id, "aborted", error="user cancelled").get(60)
     assert done == {"run_id": run_id, "status": "aborted", "change": "changed",
                     "reclaim_enqueued": True}
-    with pytest.raises(InvalidRequest, match=f"lease {lease_id} was ended"):
+    # a legitimate race lost, not a wrong request: AcquireCancelled (409), not InvalidRequest
+    with pytest.raises(AcquireCancelled, match=f"lease {lease_id} was ended"):
         pending.get(60)
     eventually(lambda: rt.store.get_lease(lease_id).state == LeaseState.DESTROYED, 60,
                "the lease destroyed")
